@@ -1,0 +1,24 @@
+"""Every patch this library applies, with its reason and its removal plan.
+
+Each module here declares :class:`~ascend_layerwise_patch.registry.PatchSpec` s as data and
+imports nothing heavy at import time (factories import their targets' neighbours lazily).
+
+** connector_guards ** (``connector_guards.py``)
+   Target:  vllm_ascend.attention.utils.wait_for_kv_layer_from_connector,
+            vllm_ascend.attention.utils.maybe_save_kv_layer_to_connector, and their copies in
+            ops.gdn, attention.{mla_v1,sfa_v1,dsa_v1}, attention.context_parallel.dsa_cp,
+            _310p.ops.fla.gdn_310.
+   Why:     they reach the connector in profile / dummy runs, where no connector metadata is
+            bound; AscendStore's pool worker counts layers on every call, so every later layer
+            is misaligned.
+   How:     call through only when ``connector.has_connector_metadata()``, as vLLM's own
+            ``maybe_transfer_kv_layer`` does.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Remove:  when vllm-ascend's helpers check it (detected: the patch then skips itself).
+"""
+
+from __future__ import annotations
+
+from . import connector_guards
+
+SPECS = (*connector_guards.SPECS,)

@@ -1,0 +1,521 @@
+"""The patch engine: declarative patch specs, applied through wrapt's post-import hooks.
+
+The engine knows nothing of any particular patch. A patch is a :class:`PatchSpec` (data plus
+three callables); specs that share a ``group`` apply together or not at all.
+
+Life of a group in one process::
+
+    activate()  -- versions out of range, switched off, skipped -> SKIPPED (never hooked)
+                -- otherwise hook every target module             -> PENDING
+    first target module imported (or already imported)
+                -- resolve every target of the group (importing the sibling modules),
+                   check fixed-upstream detectors and preconditions, then install all
+                   replacements, or none                          -> APPLIED / FAILED
+    any hooked module imported later
+                -- re-point every known alias (``from x import f`` copies, class attributes
+                   copied by vllm-ascend's own late patches) that still holds an original
+    revert()    -- put back exactly what was there                 -> REVERTED / CONFLICT
+
+Replacements are installed with plain ``setattr`` on the raw attribute that wrapt's
+``resolve_path`` finds (the MRO's ``vars()``, not a bound method). They are whatever the spec's
+factory returns -- for hot paths a plain function, since a wrapt ``FunctionWrapper`` costs ~0.45 us
+per call and Dynamo refuses it inside compiled forwards. Every replacement is tagged with
+``__ascend_layerwise_patch__`` (the spec name) and ``__wrapped__`` (the original), so a second
+activation -- even from a second engine -- recognises it by identity and never wraps twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+
+from . import versions as _versions
+
+MARKER = "__ascend_layerwise_patch__"
+LOGGER_NAME = "vllm.ascend_layerwise_patch"
+
+APPLIED = "applied"
+PENDING = "pending"
+SKIPPED = "skipped"
+FAILED = "failed"
+CONFLICT = "conflict"
+REVERTED = "reverted"
+
+ENV_ENABLE = "ASCEND_LAYERWISE_PATCH"
+ENV_SKIP = "ASCEND_LAYERWISE_PATCH_SKIP"
+ENV_STRICT = "ASCEND_LAYERWISE_PATCH_STRICT"
+
+Check = Callable[[Any], "str | None"]
+
+
+class PatchError(RuntimeError):
+    """Raised in strict mode when a patch that is in range cannot be applied."""
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One patch, declared as data.
+
+    ``target`` and each alias are ``"package.module:Qualified.name"``. ``factory(original)``
+    returns what is installed in place of ``original``. ``precondition(original)`` and
+    ``fixed_upstream(original)`` return ``None`` when all is well, else the reason (a target that
+    drifted fails the whole group; a target that already carries the fix is skipped).
+    Version ranges are PEP 440 specifiers matched on the base release (see ``versions``);
+    ``vllm_ascend=None`` means the patch does not involve vllm-ascend.
+    """
+
+    name: str
+    group: str
+    target: str
+    factory: Callable[[Any], Any]
+    why: str
+    vllm: str
+    vllm_ascend: str | None = None
+    aliases: tuple[str, ...] = ()
+    precondition: Check | None = None
+    fixed_upstream: Check | None = None
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+
+@dataclass
+class PatchStatus:
+    name: str
+    group: str
+    target: str
+    state: str
+    reason: str = ""
+    versions: dict[str, str | None] = field(default_factory=dict)
+    aliases: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Installed:
+    """Book-keeping for one place we replaced: enough to undo it exactly."""
+
+    parent: Any
+    attribute: str
+    original: Any
+    defined_here: bool
+
+
+def _split(path: str) -> tuple[str, str]:
+    module, _, qual = path.partition(":")
+    if not module or not qual:
+        raise ValueError(f"patch path {path!r} must look like 'package.module:Qualified.name'")
+    return module, qual
+
+
+def _defined_here(parent: Any, attribute: str) -> bool:
+    if isinstance(parent, type):
+        return attribute in vars(parent)
+    return hasattr(parent, attribute)
+
+
+def _module_ready(name: str) -> types.ModuleType | None:
+    """The module if it is imported and finished executing, else ``None``."""
+    module = sys.modules.get(name)
+    if module is None:
+        return None
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and getattr(spec, "_initializing", False):
+        return None
+    return module
+
+
+def _env_list(value: str | None) -> set[str]:
+    return {part.strip() for part in (value or "").split(",") if part.strip()}
+
+
+def _is_true(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _is_false(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"0", "false", "no", "off"}
+
+
+def logger() -> logging.Logger:
+    """vLLM's logger once vLLM's logging is set up in this process, else the standard one."""
+    vllm_logger = sys.modules.get("vllm.logger")
+    init = getattr(vllm_logger, "init_logger", None)
+    if init is not None:
+        return init(LOGGER_NAME)
+    return logging.getLogger(LOGGER_NAME)
+
+
+class Registry:
+    """Applies a fixed list of :class:`PatchSpec` s. Thread-safe; idempotent by identity."""
+
+    def __init__(self, specs: Iterable[PatchSpec]):
+        self.specs: tuple[PatchSpec, ...] = tuple(specs)
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate patch names in {names}")
+        for spec in self.specs:
+            _split(spec.target)
+            for alias in spec.aliases:
+                _split(alias)
+        self._lock = threading.RLock()
+        self._active = False
+        self._late = False
+        self._strict = False
+        self._hooked: set[str] = set()
+        self._applying: set[str] = set()
+        self._versions: dict[str, _versions.Installed] = {}
+        self._status: dict[str, PatchStatus] = {
+            s.name: PatchStatus(s.name, s.group, s.target, PENDING, "not activated") for s in self.specs
+        }
+        self._installed: dict[str, _Installed] = {}
+        self._replacement: dict[str, Any] = {}
+        self._aliases: dict[tuple[str, str], _Installed] = {}
+
+    # ------------------------------------------------------------------ public API
+    def groups(self) -> dict[str, list[PatchSpec]]:
+        out: dict[str, list[PatchSpec]] = {}
+        for spec in self.specs:
+            out.setdefault(spec.group, []).append(spec)
+        return out
+
+    def status(self) -> list[PatchStatus]:
+        with self._lock:
+            return [
+                PatchStatus(**{**st.as_dict(), "aliases": list(st.aliases), "versions": dict(st.versions)})
+                for st in self._status.values()
+            ]
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def activate(self, environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
+        """Hook every in-range group; apply at once those whose modules are already imported.
+
+        A second call while active changes nothing. Raises :class:`PatchError` only in strict
+        mode (``ASCEND_LAYERWISE_PATCH_STRICT=1``), for an in-range group that failed.
+        """
+        env = os.environ if environ is None else environ
+        with self._lock:
+            if self._active:
+                logger().debug("ascend_layerwise_patch: already active; nothing to do")
+                return self.status()
+            self._active = True
+            self._strict = _is_true(env.get(ENV_STRICT))
+            self._versions = _versions.detect()
+            shown = {key: inst.raw for key, inst in self._versions.items()}
+            for st in self._status.values():
+                st.versions = dict(shown)
+                st.aliases = []
+
+            if _is_false(env.get(ENV_ENABLE)):
+                for st in self._status.values():
+                    st.state, st.reason = SKIPPED, f"disabled by {ENV_ENABLE}={env.get(ENV_ENABLE)}"
+                self._schedule_summary()
+                return self.status()
+
+            skip = _env_list(env.get(ENV_SKIP))
+            unknown = skip - {s.name for s in self.specs} - {s.group for s in self.specs}
+            if unknown:
+                logger().warning(
+                    "ascend_layerwise_patch: %s names no patch or group: %s", ENV_SKIP, ", ".join(sorted(unknown))
+                )
+            live: list[str] = []
+            for group, specs in self.groups().items():
+                reason = self._skip_reason(group, specs, skip)
+                if reason is not None:
+                    for spec in specs:
+                        self._set(spec, SKIPPED, reason)
+                    continue
+                for spec in specs:
+                    self._set(spec, PENDING, f"waiting for {spec.module} to be imported")
+                live.append(group)
+
+            self._late = True  # targets found already imported were imported before activation
+            try:
+                for group in live:
+                    for spec in self.groups()[group]:
+                        self._hook(spec.module)
+                        for alias in spec.aliases:
+                            self._hook(_split(alias)[0])
+            finally:
+                self._late = False
+            self._schedule_summary()
+            failures = [st for st in self._status.values() if st.state == FAILED]
+        if failures and self._strict:
+            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
+        return self.status()
+
+    def revert(self) -> list[PatchStatus]:
+        """Undo every applied patch exactly; report (and leave) any that someone replaced since."""
+        with self._lock:
+            for spec in reversed(self.specs):
+                if spec.name not in self._installed:
+                    continue
+                inst = self._installed[spec.name]
+                ours = self._replacement[spec.name]
+                current = self._raw(inst.parent, inst.attribute)
+                for (name, alias), place in list(self._aliases.items()):
+                    if name != spec.name:
+                        continue
+                    if self._raw(place.parent, place.attribute) is ours:
+                        self._restore(place)
+                    del self._aliases[(name, alias)]
+                self._restore_aliases_copied_by_others(spec, ours, inst.original)
+                del self._installed[spec.name]
+                del self._replacement[spec.name]
+                if current is not ours:
+                    self._set(
+                        spec,
+                        CONFLICT,
+                        f"{spec.target} was replaced by {_describe(current)} after we patched it; left as is",
+                    )
+                    continue
+                self._restore(inst)
+                self._set(spec, REVERTED, "reverted")
+            for st in self._status.values():
+                if st.state in (PENDING, SKIPPED):
+                    st.state, st.reason = REVERTED, "registry reverted before this patch applied"
+            self._active = False
+            return self.status()
+
+    # ------------------------------------------------------------------ decisions
+    def _skip_reason(self, group: str, specs: list[PatchSpec], skip: set[str]) -> str | None:
+        if group in skip:
+            return f"skipped by {ENV_SKIP}"
+        for spec in specs:
+            if spec.name in skip:
+                return (
+                    f"skipped by {ENV_SKIP}" if len(specs) == 1 else f"group {group}: {spec.name} skipped by {ENV_SKIP}"
+                )
+        for spec in specs:
+            for key, wanted in (("vllm", spec.vllm), ("vllm_ascend", spec.vllm_ascend)):
+                if wanted is None:
+                    continue
+                ok, why = _versions.in_range(self._versions[key], wanted)
+                if not ok:
+                    return f"version out of range: {why}"
+        return None
+
+    def _hook(self, module: str) -> None:
+        if module in self._hooked:
+            ready = _module_ready(module)
+            if ready is not None:
+                self._on_import(ready)
+            return
+        self._hooked.add(module)
+        wrapt.register_post_import_hook(self._on_import, module)
+
+    def _on_import(self, module: types.ModuleType) -> None:
+        failed: list[PatchStatus] = []
+        with self._lock:
+            if not self._active:
+                return
+            name = module.__name__
+            for group, specs in self.groups().items():
+                if group in self._applying:
+                    continue  # a sibling module imported while this group resolves its targets
+                if any(spec.module == name for spec in specs) and all(
+                    self._status[s.name].state == PENDING for s in specs
+                ):
+                    self._applying.add(group)
+                    try:
+                        failed += self._apply_group(group, specs)
+                    finally:
+                        self._applying.discard(group)
+            self._sync_aliases()
+        if failed and self._strict:
+            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failed))
+
+    def _apply_group(self, group: str, specs: list[PatchSpec]) -> list[PatchStatus]:
+        plan: list[tuple[PatchSpec, Any, str, Any]] = []
+        fixed: list[tuple[PatchSpec, str]] = []
+        for spec in specs:
+            try:
+                parent, attribute, current = wrapt.resolve_path(spec.module, spec.qualname)
+            except Exception as exc:  # noqa: BLE001 - any failure to reach the target is drift
+                return self._fail(group, specs, spec, f"target not found: {exc}")
+            if getattr(current, MARKER, None) == spec.name:
+                # Already ours (a second engine, or a re-import): adopt it, never wrap twice.
+                original = current.__wrapped__
+                self._installed[spec.name] = _Installed(parent, attribute, original, True)
+                self._replacement[spec.name] = current
+                self._set(spec, APPLIED, "already applied in this process")
+                continue
+            try:
+                upstream = spec.fixed_upstream(current) if spec.fixed_upstream else None
+                problem = spec.precondition(current) if spec.precondition else None
+            except Exception as exc:  # noqa: BLE001
+                return self._fail(group, specs, spec, f"precondition raised {exc!r}")
+            if upstream:
+                fixed.append((spec, upstream))
+                continue
+            if problem:
+                return self._fail(group, specs, spec, f"target changed: {problem}")
+            if self._late:
+                copies = _unknown_copies(current, spec)
+                if copies:
+                    return self._fail(
+                        group,
+                        specs,
+                        spec,
+                        "activated after the target was imported, and copies of the original that this "
+                        f"patch does not know of are held by {', '.join(copies)}; activate earlier "
+                        "(import ascend_layerwise_patch first, or use the vLLM plugin)",
+                    )
+            plan.append((spec, parent, attribute, current))
+
+        done: list[PatchSpec] = []
+        try:
+            for spec, parent, attribute, current in plan:
+                replacement = spec.factory(current)
+                try:
+                    setattr(replacement, MARKER, spec.name)
+                    replacement.__wrapped__ = current
+                except (AttributeError, TypeError) as exc:
+                    raise TypeError(f"cannot tag the replacement for {spec.target}: {exc}") from exc
+                inst = _Installed(parent, attribute, current, _defined_here(parent, attribute))
+                wrapt.apply_patch(parent, attribute, replacement)
+                self._installed[spec.name] = inst
+                self._replacement[spec.name] = replacement
+                done.append(spec)
+        except Exception as exc:  # noqa: BLE001 - roll back: nothing half-applied
+            for spec in reversed(done):
+                self._restore(self._installed.pop(spec.name))
+                del self._replacement[spec.name]
+            failing = plan[len(done)][0] if len(done) < len(plan) else specs[0]
+            return self._fail(group, specs, failing, f"install failed: {exc!r}")
+
+        for spec, _parent, _attribute, _current in plan:
+            self._set(spec, APPLIED, "applied late (after the target was imported)" if self._late else "")
+        for spec, why in fixed:
+            self._set(spec, SKIPPED, f"already fixed upstream: {why}")
+        applied = [spec.name for spec, *_ in plan]
+        if applied:
+            logger().info("ascend_layerwise_patch: applied %s", ", ".join(applied))
+        return []
+
+    def _fail(self, group: str, specs: list[PatchSpec], culprit: PatchSpec, reason: str) -> list[PatchStatus]:
+        for spec in specs:
+            if spec is culprit:
+                self._set(spec, FAILED, reason)
+            else:
+                self._set(spec, FAILED, f"group {group} left unpatched: {culprit.name} failed")
+        logger().warning(
+            "ascend_layerwise_patch: group %s left unpatched: %s: %s", group, culprit.name, reason
+        )
+        return [self._status[s.name] for s in specs]
+
+    # ------------------------------------------------------------------ aliases
+    def _sync_aliases(self) -> None:
+        """Point every known copy of an original at our replacement (identity match only)."""
+        for spec in self.specs:
+            if spec.name not in self._replacement:
+                continue
+            original = self._installed[spec.name].original
+            ours = self._replacement[spec.name]
+            for alias in spec.aliases:
+                module_name, qual = _split(alias)
+                module = _module_ready(module_name)
+                if module is None:
+                    continue
+                try:
+                    parent, attribute, current = wrapt.resolve_path(module, qual)
+                except Exception:  # noqa: BLE001 - the copy does not exist in this version
+                    continue
+                if current is original:
+                    place = _Installed(parent, attribute, original, _defined_here(parent, attribute))
+                    wrapt.apply_patch(parent, attribute, ours)
+                    self._aliases[(spec.name, alias)] = place
+                if current is original or current is ours:
+                    aliases = self._status[spec.name].aliases
+                    if alias not in aliases:
+                        aliases.append(alias)
+
+    def _restore_aliases_copied_by_others(self, spec: PatchSpec, ours: Any, original: Any) -> None:
+        """Copies of our replacement made by someone else's ``from x import f`` go back too."""
+        for alias in spec.aliases:
+            module = _module_ready(_split(alias)[0])
+            if module is None:
+                continue
+            try:
+                parent, attribute, current = wrapt.resolve_path(module, _split(alias)[1])
+            except Exception:  # noqa: BLE001
+                continue
+            if current is ours:
+                wrapt.apply_patch(parent, attribute, original)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _raw(parent: Any, attribute: str) -> Any:
+        if isinstance(parent, type):
+            for cls in parent.__mro__:
+                if attribute in vars(cls):
+                    return vars(cls)[attribute]
+        return getattr(parent, attribute, None)
+
+    @staticmethod
+    def _restore(place: _Installed) -> None:
+        if place.defined_here:
+            setattr(place.parent, place.attribute, place.original)
+        else:
+            delattr(place.parent, place.attribute)
+
+    def _set(self, spec: PatchSpec, state: str, reason: str) -> None:
+        st = self._status[spec.name]
+        st.state, st.reason = state, reason
+
+    def _schedule_summary(self) -> None:
+        if self._versions.get("vllm") and self._versions["vllm"].raw is not None:
+            wrapt.when_imported("vllm.logger")(lambda _module: self.log_summary())
+        else:
+            self.log_summary()
+
+    def log_summary(self) -> None:
+        """One line per process: versions, then every patch's state (with reasons if not applied)."""
+        with self._lock:
+            parts = []
+            for st in self._status.values():
+                parts.append(st.name if st.state == APPLIED else f"{st.name}={st.state}({st.reason})")
+            vers = ", ".join(f"{k} {v}" for k, v in self._versions.items())
+        logger().info("ascend_layerwise_patch [%s]: %s", vers, "; ".join(parts))
+
+
+def _describe(obj: Any) -> str:
+    module = getattr(obj, "__module__", None)
+    qual = getattr(obj, "__qualname__", None) or type(obj).__name__
+    return f"{module}.{qual}" if module else repr(obj)
+
+
+def _unknown_copies(original: Any, spec: PatchSpec) -> list[str]:
+    """Modules other than the target's and the declared aliases' that hold ``original`` by name."""
+    known = {spec.module} | {_split(a)[0] for a in spec.aliases}
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name in known or module is None:
+            continue
+        try:
+            values = vars(module)
+        except TypeError:
+            continue
+        for attr, value in list(values.items()):
+            if value is original:
+                found.append(f"{name}.{attr}")
+    return found
