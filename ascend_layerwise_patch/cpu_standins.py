@@ -12,6 +12,7 @@ so Triton kernels are never launched where these are installed.
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
@@ -32,10 +33,45 @@ def _module(name: str, *, package: bool = False, **attrs) -> types.ModuleType:
     return module
 
 
-def _torchvision_broken() -> bool:
-    """PyPI's torchvision is CUDA-linked and fails to load beside a CPU torch."""
+class _MockModule(types.ModuleType):
+    """A module whose every public attribute is a MagicMock (created on first access)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = MagicMock(name=f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _MockPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``root`` and every ``root.*`` submodule as a :class:`_MockModule`."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.root or name.startswith(self.root + "."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _MockModule(spec.name)
+        module.__version__ = "0.0.0+cpustandin"  # transformers parses it; 0.0.0 selects its PIL paths
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _torchvision_unusable() -> bool:
+    """PyPI's torchvision is CUDA-linked and fails beside a CPU torch; the test venvs omit it.
+
+    vLLM's Qwen3-VL / Qwen3.5 model modules import transformers' Qwen2-VL image processor,
+    which imports ``torchvision.transforms.v2`` unconditionally.
+    """
     if importlib.util.find_spec("torchvision") is None:
-        return False
+        return True
     try:
         import torchvision  # noqa: F401
     except Exception:  # noqa: BLE001 - 'operator torchvision::nms does not exist' and friends
@@ -85,8 +121,8 @@ def install() -> None:
     sys.modules.setdefault("mooncake", _module("mooncake", package=True))
     sys.modules["mooncake.engine"] = _module("mooncake.engine", TransferEngine=MagicMock(name="TransferEngine"))
 
-    if _torchvision_broken():
-        sys.modules["torchvision"] = MagicMock(name="torchvision")
+    if _torchvision_unusable():
+        sys.meta_path.insert(0, _MockPackageFinder("torchvision"))
 
     import torch
 

@@ -27,6 +27,7 @@ activation -- even from a second engine -- recognises it by identity and never w
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -70,7 +71,9 @@ class PatchSpec:
     ``fixed_upstream(original)`` return ``None`` when all is well, else the reason (a target that
     drifted fails the whole group; a target that already carries the fix is skipped).
     Version ranges are PEP 440 specifiers matched on the base release (see ``versions``);
-    ``vllm_ascend=None`` means the patch does not involve vllm-ascend.
+    ``vllm_ascend=None`` means the patch does not involve vllm-ascend. ``copied_by`` names
+    modules whose import copies the target into an alias (vllm-ascend's late worker patches):
+    their import re-points the aliases, whatever the order.
     """
 
     name: str
@@ -81,6 +84,7 @@ class PatchSpec:
     vllm: str
     vllm_ascend: str | None = None
     aliases: tuple[str, ...] = ()
+    copied_by: tuple[str, ...] = ()
     precondition: Check | None = None
     fixed_upstream: Check | None = None
 
@@ -101,6 +105,7 @@ class PatchStatus:
     state: str
     reason: str = ""
     versions: dict[str, str | None] = field(default_factory=dict)
+    ranges: dict[str, str | None] = field(default_factory=dict)
     aliases: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -182,7 +187,10 @@ class Registry:
         self._applying: set[str] = set()
         self._versions: dict[str, _versions.Installed] = {}
         self._status: dict[str, PatchStatus] = {
-            s.name: PatchStatus(s.name, s.group, s.target, PENDING, "not activated") for s in self.specs
+            s.name: PatchStatus(
+                s.name, s.group, s.target, PENDING, "not activated", ranges={"vllm": s.vllm, "vllm_ascend": s.vllm_ascend}
+            )
+            for s in self.specs
         }
         self._installed: dict[str, _Installed] = {}
         self._replacement: dict[str, Any] = {}
@@ -198,7 +206,9 @@ class Registry:
     def status(self) -> list[PatchStatus]:
         with self._lock:
             return [
-                PatchStatus(**{**st.as_dict(), "aliases": list(st.aliases), "versions": dict(st.versions)})
+                PatchStatus(
+                    **{**st.as_dict(), "aliases": list(st.aliases), "versions": dict(st.versions), "ranges": dict(st.ranges)}
+                )
                 for st in self._status.values()
             ]
 
@@ -253,14 +263,26 @@ class Registry:
                 for group in live:
                     for spec in self.groups()[group]:
                         self._hook(spec.module)
-                        for alias in spec.aliases:
-                            self._hook(_split(alias)[0])
+                        for module in (*(_split(a)[0] for a in spec.aliases), *spec.copied_by):
+                            self._hook(module)
             finally:
                 self._late = False
             self._schedule_summary()
             failures = [st for st in self._status.values() if st.state == FAILED]
         if failures and self._strict:
             raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
+        return self.status()
+
+    def apply_pending(self) -> list[PatchStatus]:
+        """Import the targets of every pending group now and apply them (used by ``check``)."""
+        failed: list[PatchStatus] = []
+        with self._lock:
+            if self._active:
+                for group, specs in self.groups().items():
+                    failed += self._apply_if_pending(group, specs)
+                self._sync_aliases()
+        if failed and self._strict:
+            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failed))
         return self.status()
 
     def revert(self) -> list[PatchStatus]:
@@ -330,26 +352,42 @@ class Registry:
                 return
             name = module.__name__
             for group, specs in self.groups().items():
-                if group in self._applying:
-                    continue  # a sibling module imported while this group resolves its targets
-                if any(spec.module == name for spec in specs) and all(
-                    self._status[s.name].state == PENDING for s in specs
-                ):
-                    self._applying.add(group)
-                    try:
-                        failed += self._apply_group(group, specs)
-                    finally:
-                        self._applying.discard(group)
+                if any(spec.module == name for spec in specs):
+                    failed += self._apply_if_pending(group, specs)
             self._sync_aliases()
         if failed and self._strict:
             raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failed))
+
+    def _apply_if_pending(self, group: str, specs: list[PatchSpec]) -> list[PatchStatus]:
+        # _applying: a sibling module imported while this group resolves its targets re-enters here
+        if group in self._applying or any(self._status[s.name].state != PENDING for s in specs):
+            return []
+        self._applying.add(group)
+        try:
+            return self._apply_group(group, specs)
+        finally:
+            self._applying.discard(group)
 
     def _apply_group(self, group: str, specs: list[PatchSpec]) -> list[PatchStatus]:
         plan: list[tuple[PatchSpec, Any, str, Any]] = []
         fixed: list[tuple[PatchSpec, str]] = []
         for spec in specs:
             try:
-                parent, attribute, current = wrapt.resolve_path(spec.module, spec.qualname)
+                if importlib.util.find_spec(spec.module) is None:  # imports the parent packages
+                    return self._fail(group, specs, spec, f"target moved: no module {spec.module}")
+                module = importlib.import_module(spec.module)
+            except ImportError as exc:
+                # The module exists but cannot load with what is installed: nothing can run its
+                # code, so nothing is at risk and there is nothing to patch.
+                reason = f"{spec.module} does not import with the installed versions ({exc}); nothing to patch"
+                for member in specs:
+                    self._set(member, SKIPPED, reason if member is spec else f"group {group}: {reason}")
+                logger().info("ascend_layerwise_patch: group %s skipped: %s", group, reason)
+                return []
+            except Exception as exc:  # noqa: BLE001
+                return self._fail(group, specs, spec, f"importing {spec.module} raised {exc!r}")
+            try:
+                parent, attribute, current = wrapt.resolve_path(module, spec.qualname)
             except Exception as exc:  # noqa: BLE001 - any failure to reach the target is drift
                 return self._fail(group, specs, spec, f"target not found: {exc}")
             if getattr(current, MARKER, None) == spec.name:

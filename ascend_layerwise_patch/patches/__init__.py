@@ -15,10 +15,23 @@ imports nothing heavy at import time (factories import their targets' neighbours
             ``maybe_transfer_kv_layer`` does.
    Upstream: not fixed in vllm-ascend 0.25.1rc1.
    Remove:  when vllm-ascend's helpers check it (detected: the patch then skips itself).
+
+** gdn_layerwise ** and ** gdn_layerwise_310p ** (``gdn_layerwise.py``)
+   Target:  vllm_ascend.ops.gdn.AscendGatedDeltaNetAttention._forward_core (+ the copy on vLLM's
+            QwenGatedDeltaNetAttention made by vllm-ascend's patch_qwen3_5); the 310P variant
+            vllm_ascend._310p.ops.fla.gdn_310.AscendGatedDeltaNetAttention310._forward_core as
+            its own group.
+   Why:     GDN layers save their layer but never wait for it, so with use_layerwise=true they
+            can compute on state still being loaded, and never open MemCache's compute fence.
+   How:     wait_for_kv_layer_from_connector(self.prefix), then record_attention_compute_start(),
+            at the entry of _forward_core (eager, inside the qwen_gdn_attention_core custom op;
+            forward is Dynamo-traced with fullgraph=True).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Remove:  when vllm-ascend's _forward_core waits itself (detected: the patch then skips itself).
 """
 
 from __future__ import annotations
 
-from . import connector_guards
+from . import connector_guards, gdn_layerwise
 
-SPECS = (*connector_guards.SPECS,)
+SPECS = (*connector_guards.SPECS, *gdn_layerwise.SPECS)

@@ -1,0 +1,107 @@
+"""GDN layers take part in layerwise KV transfer.
+
+Target   vllm_ascend.ops.gdn: AscendGatedDeltaNetAttention._forward_core, and the copy that
+         vllm-ascend's worker patch ``patch_qwen3_5`` puts on vLLM's QwenGatedDeltaNetAttention
+         (``_GDN_PATCH_TARGET``), whichever runs first. Separately (own group), the 310P variant
+         vllm_ascend._310p.ops.fla.gdn_310: AscendGatedDeltaNetAttention310._forward_core, which
+         ``patch_qwen3_5`` installs instead on 310P.
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (on vLLM 0.25.0, vllm-ascend 0.25.1rc1's
+         ops.gdn does not import at all, so the group is skipped there: nothing can run it).
+Why      Full-attention layers go through vLLM's ``maybe_transfer_kv_layer`` (wait for the layer,
+         compute, save); GDN layers only save, at the end of ``_forward_core``. With
+         ``use_layerwise=true`` a GDN layer can therefore compute on conv / SSM state that the
+         layerwise loader is still writing, and MemCache's transfer threads never see the
+         compute-start fence for that layer.
+How      At the entry of ``_forward_core``: ``wait_for_kv_layer_from_connector(self.prefix)``,
+         then ``memcache_comm_fence.record_attention_compute_start()``, then the original (which
+         keeps its ``maybe_save_kv_layer_to_connector`` at the end).
+         Why ``_forward_core`` and not ``forward``: vLLM compiles model forwards with Dynamo
+         (``fullgraph=True``), and ``forward`` is traced; ``_forward_core`` runs eagerly inside the
+         ``vllm::qwen_gdn_attention_core`` custom op, one of vLLM's splitting ops -- the reason
+         vllm-ascend moved the layer save there ("Move KV layer saving to _forward_core for
+         compilation support"). A connector call in ``forward`` would be traced into the graph or
+         break it. The state the wait protects (``self.kv_cache``) is first read inside
+         ``_forward_core``, so waiting at its entry keeps the ordering wait -> fence -> compute ->
+         save. Both helpers are looked up on their modules at call time, so the connector guard
+         (patches.connector_guards) and any later fix of either helper apply here too.
+         310P: ``AscendGatedDeltaNetAttention310._forward_core`` saves the layer the same way and
+         has the same gap, so it gets the same change, as its own group: a 310P-only module that
+         fails (it is never imported on other devices) must not take the main GDN patch with it.
+Removal  When vllm-ascend's ``_forward_core`` waits for the layer itself (detected: the patch
+         skips itself if the original already calls ``wait_for_kv_layer_from_connector``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+from ..registry import PatchSpec
+
+VLLM = ">=0.25.0,<0.26"
+VLLM_ASCEND = ">=0.25.1,<0.26"
+PARAMS = ["self", "mixed_qkv", "b", "a", "core_attn_out"]
+QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core"
+
+
+def _precondition(original) -> str | None:
+    got = list(inspect.signature(original).parameters)
+    if got != PARAMS:
+        return f"_forward_core parameters are {got}, expected {PARAMS}"
+    source = inspect.getsource(original)
+    if "maybe_save_kv_layer_to_connector" not in source:
+        return "_forward_core no longer saves the layer (maybe_save_kv_layer_to_connector)"
+    utils = importlib.import_module("vllm_ascend.attention.utils")
+    fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
+    if not callable(getattr(utils, "wait_for_kv_layer_from_connector", None)):
+        return "vllm_ascend.attention.utils.wait_for_kv_layer_from_connector is gone"
+    if not callable(getattr(fence, "record_attention_compute_start", None)):
+        return "vllm_ascend.memcache_comm_fence.record_attention_compute_start is gone"
+    return None
+
+
+def _fixed_upstream(original) -> str | None:
+    if "wait_for_kv_layer_from_connector" in inspect.getsource(original):
+        return "_forward_core already waits for its layer"
+    return None
+
+
+def join_layerwise(original):
+    """``_forward_core`` that waits for its layer and records the compute-start fence first."""
+    utils = importlib.import_module("vllm_ascend.attention.utils")
+    fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
+
+    @functools.wraps(original)
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        utils.wait_for_kv_layer_from_connector(self.prefix)
+        fence.record_attention_compute_start()
+        return original(self, mixed_qkv, b, a, core_attn_out)
+
+    return _forward_core
+
+
+def _spec(name: str, group: str, target: str) -> PatchSpec:
+    return PatchSpec(
+        name=name,
+        group=group,
+        target=target,
+        factory=join_layerwise,
+        why="GDN layers wait for their layer and record the compute-start fence before computing",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        aliases=(QWEN_GDN,),
+        copied_by=("vllm_ascend.patch.worker.patch_qwen3_5",),
+        precondition=_precondition,
+        fixed_upstream=_fixed_upstream,
+    )
+
+
+SPECS = (
+    _spec("gdn_layerwise", "gdn_layerwise", "vllm_ascend.ops.gdn:AscendGatedDeltaNetAttention._forward_core"),
+    _spec(
+        "gdn_layerwise_310p",
+        "gdn_layerwise_310p",
+        "vllm_ascend._310p.ops.fla.gdn_310:AscendGatedDeltaNetAttention310._forward_core",
+    ),
+)
