@@ -71,7 +71,7 @@ class PatchSpec:
     ``fixed_upstream(original)`` return ``None`` when all is well, else the reason (a target that
     drifted fails the whole group; a target that already carries the fix is skipped).
     Version ranges are PEP 440 specifiers matched on the base release (see ``versions``);
-    ``vllm_ascend=None`` means the patch does not involve vllm-ascend. ``copied_by`` names
+    ``None`` for a range means the patch does not depend on that package. ``copied_by`` names
     modules whose import copies the target into an alias (vllm-ascend's late worker patches):
     their import re-points the aliases, whatever the order.
     """
@@ -81,7 +81,7 @@ class PatchSpec:
     target: str
     factory: Callable[[Any], Any]
     why: str
-    vllm: str
+    vllm: str | None
     vllm_ascend: str | None = None
     aliases: tuple[str, ...] = ()
     copied_by: tuple[str, ...] = ()

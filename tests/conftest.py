@@ -1,48 +1,10 @@
-"""Shared test plumbing for the version matrix.
-
-Suites (each runs in its own pytest process, see scripts/matrix.sh):
-  tests/unit      the registry on throwaway targets; no vLLM needed (runs once, in the base venv)
-  tests/standins  the real vLLM + vllm-ascend of one pair, NPU runtime stood in for (cpu_standins)
-  tests/interp    Triton kernels under TRITON_INTERPRET=1 with the real vLLM callers; no stand-ins
-
-``@pytest.mark.pairs("v0251", ...)`` limits a test to the named pairs of scripts/pairs.txt; the
-pair is derived from the installed vllm / vllm-ascend versions, never from a flag.
-"""
+"""Pytest hooks for the version matrix; the helpers live in tests/support.py."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def current_pair() -> str | None:
-    """Name of the scripts/pairs.txt row matching what is installed, or None."""
-    installed = (_version("vllm"), _version("vllm-ascend") or "-")
-    for line in (ROOT / "scripts" / "pairs.txt").read_text().splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        name, vllm, ascend = line.split()[:3]
-        if (vllm, ascend) == installed:
-            return name
-    return None
-
-
-PAIR = current_pair()
+from support import PAIR
 
 
 def pytest_configure(config):
@@ -54,25 +16,3 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("pairs")
         if marker and PAIR not in marker.args:
             item.add_marker(pytest.mark.skip(reason=f"for pairs {', '.join(marker.args)}; installed: {PAIR}"))
-
-
-def run_python(code: str, *, env: dict[str, str] | None = None, check: bool = True, timeout: int = 300):
-    """Run ``code`` in a fresh interpreter of this venv; returns the CompletedProcess.
-
-    The child starts with this repository first on ``sys.path`` and with ``VLLM_PLUGINS`` unset
-    unless ``env`` sets it. ``check`` asserts a zero exit code and shows the child's output if not.
-    """
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_LAYERWISE_PATCH", "VLLM_PLUGINS"))}
-    child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    child_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=ROOT,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check:
-        assert proc.returncode == 0, f"child exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    return proc

@@ -1,0 +1,399 @@
+"""The fused mamba postprocess kernel with vLLM 0.25's 23-parameter signature.
+
+vLLM 0.25's ``MambaSpecDecodeGPUContext`` launches ``postprocess_mamba_fused_kernel[grid](...)``
+with 23 parameters, from two callers: V1 ``run_fused_postprocess`` (an out buffer for
+``num_accepted_tokens``) and V2 ``run_fused_postprocess_align`` (``HAS_IDX_MAPPING`` and
+``PRECOMPUTED_NEW_COMPUTED``). :class:`PostprocessKernel` takes that launch and does the same work,
+written from scratch for an NPU first:
+
+Semantics (those of vLLM 0.25.1, bit for bit). For each batch row ``b`` (request slot ``r`` =
+``idx_mapping[b]`` under ``HAS_IDX_MAPPING``, skipped if negative, else ``r = b``)::
+
+    running = computed + scheduled - draft;  new = running + accepted - 1   (V1)
+    new = computed;                          running = new - accepted + 1   (PRECOMPUTED_NEW_COMPUTED)
+    aligned = new // block_size * block_size
+    if aligned >= running:
+        bias = aligned - running;  dst = aligned // block_size - 1;  src = mamba_state_idx[r]
+        if src == dst: out[r] = 1          # out = the out buffer, or num_accepted in place if None
+        unless src == dst and bias == 0, for every (layer, state) of every mamba group:
+            conv, dim last (SD):  state[bt[b, dst], :width - bias]    = state[bt[b, src], bias:]
+            conv, dim first (DS): state[bt[b, dst], :, :width - bias] = state[bt[b, src], :, bias:]
+            temporal:             state[bt[b, dst]]                    = state[bt[b, src + bias]]
+
+Only the block-table row is ``b``; every per-request input and the out buffer are indexed by ``r``.
+Copies are byte copies (``memmove`` when source and destination overlap: the SD shift in place).
+
+Design, and why it suits triton-ascend as well as a GPU:
+
+* **Grid (states, pieces, request blocks)**, not vLLM's (requests, states). Each program loads the
+  decision inputs of up to ``REQ_BLOCK`` (128) requests as vectors -- one round of memory latency
+  instead of one per request -- and then walks only the requests that copy. The grid no longer
+  grows with the batch: 72 states x 16 pieces = 1152 programs for a Qwen3-Next step of up to 128
+  requests, against vLLM's 9216 mostly idle ones. An NPU runs a grid as rounds over its few dozen
+  vector cores, and triton-ascend caps a grid at 65535 programs; this grid is small and stays so.
+* **Pieces.** Every (request, state) copy is cut into ``num_programs(1)`` pieces, one per program:
+  a 2 MiB temporal state is copied by 16 programs instead of one walking it 1 KiB at a time (the
+  idea of vllm-ascend's later ``TEMPORAL_TILES``). The piece count is chosen at launch from the
+  device's core count (vector cores on an NPU, SMs on a GPU) and is a runtime value, so it never
+  triggers a recompile. Pieces start on 256-byte boundaries so each stays aligned.
+* **Copies** are plain ``tl.load``/``tl.store`` of an ``arange`` tile: an unmasked main loop and
+  one masked tail, as 8-byte words when both ends and the length allow it, else as bytes. The
+  int64 address is cast to a pointer once per region, outside the copy loop (triton-ascend's
+  pointer analysis rejects a cast inside it; vllm-ascend hoists it for the same reason).
+  ``tl.multiple_of`` is a compiler hint checked at run time first, not an intrinsic. No inline
+  assembly, no atomics, no CUDA-only intrinsics; tiles are 8 KiB, far below an NPU core's UB.
+* **Dim-first conv states** are copied as one 2-D tile of rows x row bytes (dim rows of a few
+  bytes each), with the rows split over the pieces: not row by row with a 1 KiB masked loop, and
+  not repeating the shift in every tile as vllm-ascend's ``TEMPORAL_TILES`` variant does.
+* **The in-place shift** (SD conv state, source block == destination block, bias > 0) is the one
+  overlapping copy. Pieces of it would race, so one program does it, front to back, in steps no
+  longer than the shift: no step reads what an earlier one wrote, and no step's read overlaps its
+  own write. (Under the interpreter programs run in order, so a race here could never show there.)
+* **No program reads what another writes.** Every program reads ``num_accepted`` and only the
+  (state 0, piece 0) program writes the 1s -- into the out buffer. With no out buffer (vLLM
+  0.25.x's V2 caller) that write goes to ``num_accepted`` in place, as vLLM's kernel does, and
+  that caller races; ``patches/postprocess_kernel.py`` replaces that caller so it passes one.
+* ``COPY_BLOCK_SIZE`` is accepted for the signature and ignored: tiling is this kernel's own.
+
+Importing this module imports neither torch nor triton. The launcher object is what gets
+installed (also in ``check --cpu``, where the NPU stand-ins make real Triton unusable); the Triton
+functions below are plain Python until :func:`compiled` hands them to ``triton.jit``, on the first
+launch. That is why their constexpr parameters are annotated with the string ``"constexpr"``
+(what Triton's own parser reads) and why ``tl`` is bound late.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+#: vLLM 0.25's parameter list of ``postprocess_mamba_fused_kernel``, in order.
+PARAMS = (
+    "num_accepted_tokens_ptr",
+    "mamba_state_idx_ptr",
+    "num_scheduled_tokens_ptr",
+    "num_computed_tokens_ptr",
+    "num_draft_tokens_ptr",
+    "block_table_ptrs_ptr",
+    "block_table_stride_req",
+    "state_base_addrs_ptr",
+    "state_block_strides_ptr",
+    "state_elem_sizes_ptr",
+    "state_inner_sizes_ptr",
+    "state_conv_widths_ptr",
+    "state_group_indices_ptr",
+    "state_dim_row_count_ptr",
+    "state_dim_row_stride_ptr",
+    "num_accepted_tokens_out_ptr",
+    "idx_mapping_ptr",
+    "num_reqs",
+    "block_size",
+    "COPY_BLOCK_SIZE",
+    "CONV_STATE_DIM_FIRST",
+    "HAS_IDX_MAPPING",
+    "PRECOMPUTED_NEW_COMPUTED",
+)
+_DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
+
+REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
+COPY_BYTES = 8192  # bytes per copy step (one tile)
+DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
+MAX_PIECES = 32
+PROGRAMS_PER_CORE = 8
+PIECE_ALIGN = 256
+
+tl: Any = None  # triton.language, bound by compiled()
+
+# ----------------------------------------------------------------------------- Triton code
+# Plain functions until compiled() passes them to triton.jit and rebinds these module names.
+
+
+def _copy_tile_loop(src, dst, count, LANES: "constexpr"):
+    """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles, masked tail."""
+    lanes = tl.arange(0, LANES)
+    full = count // LANES * LANES
+    for i in range(0, full, LANES):
+        tl.store(dst + i + lanes, tl.load(src + i + lanes))
+    if full < count:
+        mask = full + lanes < count
+        tl.store(dst + full + lanes, tl.load(src + full + lanes, mask=mask), mask=mask)
+
+
+def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: "constexpr"):
+    """Non-overlapping copy of ``nbytes`` between two int64 addresses."""
+    aligned = (((src_addr | dst_addr) & 15) == 0) & ((nbytes & 7) == 0)
+    if aligned:
+        # Both ends 16-byte aligned (checked above, so the hint is true): 8-byte words.
+        src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
+        dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
+        _copy_tile_loop(src, dst, nbytes // 8, COPY_BYTES // 8)
+    else:
+        src = src_addr.to(tl.pointer_type(tl.uint8))
+        dst = dst_addr.to(tl.pointer_type(tl.uint8))
+        _copy_tile_loop(src, dst, nbytes, COPY_BYTES)
+
+
+def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: "constexpr"):
+    """This program's piece of a non-overlapping copy cut into ``pieces`` aligned pieces."""
+    chunk = ((nbytes + pieces - 1) // pieces + 255) // 256 * 256
+    lo = piece * chunk
+    hi = tl.minimum(nbytes, lo + chunk)
+    if lo < hi:
+        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES)
+
+
+def _shift_in_place(src_addr, dst_addr, nbytes, COPY_BYTES: "constexpr"):
+    """memmove to a lower address (``dst < src``, overlapping) by one program, front to back.
+
+    Each step moves at most ``src - dst`` bytes, so a step's read never overlaps its own write
+    and never reaches bytes an earlier step wrote (those lie below ``dst + step``).
+    """
+    step = tl.minimum(src_addr - dst_addr, COPY_BYTES)
+    lanes = tl.arange(0, COPY_BYTES)
+    src = src_addr.to(tl.pointer_type(tl.uint8))
+    dst = dst_addr.to(tl.pointer_type(tl.uint8))
+    for i in range(0, nbytes, step):
+        mask = (lanes < step) & (i + lanes < nbytes)
+        tl.store(dst + i + lanes, tl.load(src + i + lanes, mask=mask), mask=mask)
+
+
+def _copy_rows(src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, ROWS: "constexpr", COLS: "constexpr"):
+    """``row_bytes`` of each of ``rows`` rows (``row_stride`` apart); this program's rows only.
+
+    A row may overlap itself (the in-place shift of a dim-first conv state): a row lies in one
+    tile, which is loaded whole before it is stored, and column steps go front to back.
+    """
+    per = (rows + pieces - 1) // pieces
+    r_lo = piece * per
+    r_hi = tl.minimum(rows, r_lo + per)
+    src = src_addr.to(tl.pointer_type(tl.uint8))
+    dst = dst_addr.to(tl.pointer_type(tl.uint8))
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, COLS)[None, :]
+    for r0 in range(r_lo, r_hi, ROWS):
+        row = r0 + r
+        offset = row.to(tl.int64) * row_stride + c
+        for c0 in range(0, row_bytes, COLS):
+            mask = (row < r_hi) & (c0 + c < row_bytes)
+            tl.store(dst + offset + c0, tl.load(src + offset + c0, mask=mask), mask=mask)
+
+
+def _postprocess_kernel(
+    num_accepted_tokens_ptr,
+    mamba_state_idx_ptr,
+    num_scheduled_tokens_ptr,
+    num_computed_tokens_ptr,
+    num_draft_tokens_ptr,
+    block_table_ptrs_ptr,
+    block_table_stride_req,
+    state_base_addrs_ptr,
+    state_block_strides_ptr,
+    state_elem_sizes_ptr,
+    state_inner_sizes_ptr,
+    state_conv_widths_ptr,
+    state_group_indices_ptr,
+    state_dim_row_count_ptr,
+    state_dim_row_stride_ptr,
+    num_accepted_tokens_out_ptr,
+    idx_mapping_ptr,
+    num_reqs,
+    block_size: "constexpr",
+    CONV_STATE_DIM_FIRST: "constexpr",
+    HAS_IDX_MAPPING: "constexpr",
+    PRECOMPUTED_NEW_COMPUTED: "constexpr",
+    REQ_BLOCK: "constexpr",
+    COPY_BYTES: "constexpr",
+    DS_ROWS: "constexpr",
+    DS_COLS: "constexpr",
+):
+    state_idx = tl.program_id(0)
+    piece = tl.program_id(1)
+    pieces = tl.num_programs(1)
+    first_row = tl.program_id(2) * REQ_BLOCK
+
+    # -- decisions for REQ_BLOCK batch rows at once (every input read once, nothing written yet)
+    lane = tl.arange(0, REQ_BLOCK)
+    batch = first_row + lane
+    active = batch < num_reqs
+    if HAS_IDX_MAPPING:
+        req = tl.load(idx_mapping_ptr + batch, mask=active, other=-1)
+        active = active & (req >= 0)
+    else:
+        req = batch
+    accepted = tl.load(num_accepted_tokens_ptr + req, mask=active, other=1)
+    src_col = tl.load(mamba_state_idx_ptr + req, mask=active, other=0)
+    if PRECOMPUTED_NEW_COMPUTED:
+        new_computed = tl.load(num_computed_tokens_ptr + req, mask=active, other=0)
+        running = new_computed - accepted + 1
+    else:
+        scheduled = tl.load(num_scheduled_tokens_ptr + req, mask=active, other=0)
+        computed = tl.load(num_computed_tokens_ptr + req, mask=active, other=0)
+        draft = tl.load(num_draft_tokens_ptr + req, mask=active, other=0)
+        running = computed + scheduled - draft
+        new_computed = running + accepted - 1
+    aligned = (new_computed // block_size) * block_size
+    needs = active & (aligned >= running)
+    bias = aligned - running
+    dst_col = aligned // block_size - 1
+    same_col = src_col == dst_col
+
+    if (state_idx == 0) & (piece == 0):
+        ones = tl.full((REQ_BLOCK,), 1, tl.int32)
+        if num_accepted_tokens_out_ptr is None:
+            tl.store(num_accepted_tokens_ptr + req, ones, mask=needs & same_col)
+        else:
+            tl.store(num_accepted_tokens_out_ptr + req, ones, mask=needs & same_col)
+
+    copies = needs & ~(same_col & (bias == 0))
+    n_copies = tl.sum(copies.to(tl.int32), axis=0)
+
+    # -- this program's state: metadata read once, block table cast to a pointer once
+    base = tl.load(state_base_addrs_ptr + state_idx).to(tl.int64)
+    block_stride = tl.load(state_block_strides_ptr + state_idx).to(tl.int64)
+    elem = tl.load(state_elem_sizes_ptr + state_idx).to(tl.int64)
+    inner = tl.load(state_inner_sizes_ptr + state_idx).to(tl.int64)
+    width = tl.load(state_conv_widths_ptr + state_idx)
+    group = tl.load(state_group_indices_ptr + state_idx).to(tl.int64)
+    table = tl.load(block_table_ptrs_ptr + group).to(tl.pointer_type(tl.int32))
+    if CONV_STATE_DIM_FIRST:
+        dim_rows = tl.load(state_dim_row_count_ptr + state_idx)
+        row_stride = tl.load(state_dim_row_stride_ptr + state_idx).to(tl.int64)
+
+    # -- walk the copying requests in order: the next lane above `prev` that copies
+    prev = state_idx * 0 - 1
+    for _ in range(0, n_copies):
+        cur = tl.min(tl.where(copies & (lane > prev), lane, REQ_BLOCK), axis=0)
+        prev = cur
+        pick = lane == cur
+        s_col = tl.sum(tl.where(pick, src_col, 0), axis=0)
+        d_col = tl.sum(tl.where(pick, dst_col, 0), axis=0)
+        tok = tl.sum(tl.where(pick, bias, 0), axis=0)
+        row = table + (first_row + cur).to(tl.int64) * block_table_stride_req
+        dst_block = tl.load(row + d_col).to(tl.int64)  # int64 before * stride: strides pass 2**31
+        dst = base + dst_block * block_stride
+        if width > 0:
+            src_block = tl.load(row + s_col).to(tl.int64)
+            src = base + src_block * block_stride
+            if CONV_STATE_DIM_FIRST:
+                row_bytes = (width - tok).to(tl.int64) * elem
+                _copy_rows(src + tok * elem, dst, dim_rows, row_stride, row_bytes, piece, pieces, DS_ROWS, DS_COLS)
+            else:
+                shift = tok.to(tl.int64) * inner * elem
+                nbytes = (width - tok).to(tl.int64) * inner * elem
+                if src_block == dst_block:
+                    if (piece == 0) & (shift > 0):
+                        _shift_in_place(src + shift, dst, nbytes, COPY_BYTES)
+                else:
+                    _copy_piece(src + shift, dst, nbytes, piece, pieces, COPY_BYTES)
+        else:
+            src_block = tl.load(row + s_col + tok).to(tl.int64)
+            _copy_piece(base + src_block * block_stride, dst, inner * elem, piece, pieces, COPY_BYTES)
+
+
+_TRITON_FUNCTIONS = ("_copy_tile_loop", "_copy_bytes", "_copy_piece", "_shift_in_place", "_copy_rows", "_postprocess_kernel")
+_lock = threading.Lock()
+_compiled: Any = None
+
+
+def compiled():
+    """The Triton kernel (``triton.jit`` on first use, which imports triton)."""
+    global tl, _compiled
+    if _compiled is None:
+        with _lock:
+            if _compiled is None:
+                import triton
+                import triton.language as language
+
+                tl = language
+                g = globals()
+                for name in _TRITON_FUNCTIONS:
+                    g[name] = triton.jit(g[name])
+                _compiled = g["_postprocess_kernel"]
+    return _compiled
+
+
+# ----------------------------------------------------------------------------- launcher
+
+_cores: dict[Any, int | None] = {}
+
+
+def device_cores(device) -> int | None:
+    """Vector cores (triton-ascend) or SMs (CUDA) of ``device``, from Triton's driver; else None."""
+    key = str(device)
+    if key not in _cores:
+        try:
+            from triton.runtime import driver
+
+            props = driver.active.utils.get_device_properties(getattr(device, "index", None) or 0)
+            _cores[key] = int(props.get("num_vectorcore") or props.get("multiprocessor_count") or 0) or None
+        except Exception:  # noqa: BLE001 - interpreter, no driver: fall back to the default
+            _cores[key] = None
+    return _cores[key]
+
+
+def default_pieces(cores: int | None, states: int) -> int:
+    """Enough programs to keep every core busy with one copying request, as a power of two."""
+    if not cores:
+        return 4
+    want = -(-cores * PROGRAMS_PER_CORE // max(states, 1))
+    pieces = 1
+    while pieces < want and pieces < MAX_PIECES:
+        pieces *= 2
+    return pieces
+
+
+class PostprocessKernel:
+    """Drop-in for ``postprocess_mamba_fused_kernel``: ``kernel[grid](*23 params)`` launches ours.
+
+    ``grid`` is the caller's ``(num_reqs, num_layers * num_state_types)``; only its second entry
+    (the number of states) and ``min(grid[0], num_reqs)`` are used. ``pieces``, ``copy_bytes``
+    and ``num_warps`` are tuning knobs (None: chosen per device / left to Triton).
+    """
+
+    arg_names = PARAMS
+
+    def __init__(self, *, pieces: int | None = None, copy_bytes: int = COPY_BYTES, num_warps: int | None = None):
+        self.pieces = pieces
+        self.copy_bytes = copy_bytes
+        self.num_warps = num_warps
+
+    def __repr__(self) -> str:
+        return f"<ascend_layerwise_patch postprocess_mamba_fused_kernel (23 params) pieces={self.pieces}>"
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, *args, **kwargs)
+
+    def launch(self, grid, *args, **kwargs) -> None:
+        if len(args) > len(PARAMS):
+            raise TypeError(f"postprocess_mamba_fused_kernel takes {len(PARAMS)} parameters, got {len(args)}")
+        a = dict(_DEFAULTS)
+        a.update(zip(PARAMS, args))
+        for key, value in kwargs.items():
+            if key not in PARAMS:
+                raise TypeError(f"postprocess_mamba_fused_kernel got an unexpected parameter {key!r}")
+            a[key] = value
+        missing = [p for p in PARAMS if p not in a]
+        if missing:
+            raise TypeError(f"postprocess_mamba_fused_kernel is missing {', '.join(missing)}")
+        if callable(grid):
+            grid = grid(a)
+        grid = tuple(grid) + (1, 1)
+        rows, states = min(int(grid[0]), int(a["num_reqs"])), int(grid[1])
+        if rows <= 0 or states <= 0:
+            return
+        kernel = compiled()
+        pieces = self.pieces or default_pieces(device_cores(a["num_accepted_tokens_ptr"].device), states)
+        extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
+        kernel[(states, pieces, -(-rows // REQ_BLOCK))](
+            *(a[p] for p in PARAMS[:17]),
+            rows,
+            block_size=a["block_size"],
+            CONV_STATE_DIM_FIRST=bool(a["CONV_STATE_DIM_FIRST"]),
+            HAS_IDX_MAPPING=bool(a["HAS_IDX_MAPPING"]),
+            PRECOMPUTED_NEW_COMPUTED=bool(a["PRECOMPUTED_NEW_COMPUTED"]),
+            REQ_BLOCK=REQ_BLOCK,
+            COPY_BYTES=self.copy_bytes,
+            DS_ROWS=self.copy_bytes // DS_COLS,
+            DS_COLS=DS_COLS,
+            **extra,
+        )

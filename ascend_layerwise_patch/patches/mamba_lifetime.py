@@ -1,0 +1,309 @@
+"""Mamba block lifetime: layerwise sends hold the blocks they read, and let go when they are done.
+
+Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
+         pool_scheduler.KVPoolScheduler.touch_sending_mamba_blocks        (scheduler half)
+         pool_worker.KVPoolWorker.start_load_kv, .save_kv_layer,
+         .build_connector_worker_meta                                      (worker half)
+         kv_transfer.KVCacheStoreLayerSendingThread._handle_request,
+         kv_transfer.KVCacheStoreKeyLayerSendingThread._handle_request     (worker half)
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases)
+Why      For hybrid models the scheduler gives every saving request's mamba blocks an extra
+         reference under a new ``event_id`` and frees them once every worker reports that event in
+         ``completed_events``. Only the non-layerwise sending thread reports; with
+         ``use_layerwise=True`` nothing does, so every touched block leaks until the pool is
+         exhausted. Skipping the touch (the seed change) stops the leak but leaves nothing holding
+         the blocks while the layer sending thread copies them: ``save_kv_layer`` gives up waiting
+         after 10 s, the request finishes or is preempted, and its blocks are handed to another
+         request while the old send still reads them -- silent corruption of the KV pool.
+How      The scheduler keeps touching (and records the blocks under the event, as before). Each
+         worker notes the event ids of the metadata it is bound to (``start_load_kv``); after the
+         step's last layer has been queued (``save_kv_layer``) it queues a release marker on the
+         same FIFO as the layer copies. The sending thread is the only consumer, so when it reaches
+         the marker every copy of that step is over -- done, failed, or raised. It then marks the
+         events completed; ``build_connector_worker_meta`` reports them, and the scheduler's own
+         ``update_connector_output`` frees the blocks once all ``_expected_worker_count`` workers
+         have. A worker that sent nothing reaches the marker at once; a step with no forward keeps
+         its events for the next step's marker (tasks it built are sent then). Hot paths stay plain
+         functions: one comparison per layer, one ``type() is`` per queued item.
+Full attention after a save timeout
+         ``request_finished`` / ``request_finished_all_groups`` free every block at once in layerwise
+         mode, so full-attention blocks have the same exposure: after a save timeout, a finished,
+         aborted or preempted request's attention blocks can be reallocated and overwritten while
+         the send still reads them (tests/standins/test_mamba_lifetime.py shows it). By default this
+         patch gives them the same guarantee: the scheduler half also touches, under the same
+         event, the non-null blocks of every other group from the first block this step may save
+         (``save_start_token`` over the group's effective block size) to the end. Setting
+         ``ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION=0`` holds mamba blocks only (upstream's
+         scope); risk: full-attention blocks can again be reused under a send that timed out.
+         Nothing here waits: a send that never finishes keeps its blocks held (safe, not live).
+Removal  When vllm-ascend's worker reports completed events for layerwise sends itself (the
+         fixed-upstream detector then skips the whole group). The group applies all or nothing:
+         if the worker half cannot apply, the scheduler half does not either, and vllm-ascend's own
+         behaviour remains -- touched mamba blocks leak in layerwise mode (see ``status()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import threading
+
+from ..registry import PatchSpec
+
+VLLM = ">=0.25.0,<0.26"
+VLLM_ASCEND = ">=0.25.1,<0.26"
+GROUP = "mamba_lifetime"
+STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
+ENV_HOLD_ATTENTION = "ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION"
+
+RISK = (
+    "layerwise mamba block lifetime left to vllm-ascend: touched mamba blocks are never released "
+    "(the block pool leaks in layerwise mode)"
+)
+
+_PENDING = "_ascend_layerwise_patch_pending_events"  # worker: event ids not yet behind a marker
+_DONE = "_ascend_layerwise_patch_done_events"  # worker: _Done, filled by the sending thread
+
+
+class _Done:
+    """Event ids the sending thread has finished with; drained by ``build_connector_worker_meta``."""
+
+    __slots__ = ("lock", "ids")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ids: list[int] = []
+
+    def add(self, ids: list[int]) -> None:
+        with self.lock:
+            self.ids.extend(ids)
+
+    def take(self) -> list[int]:
+        with self.lock:
+            ids, self.ids = self.ids, []
+        return ids
+
+
+class _Release:
+    """Queued behind a step's last layer; the sending thread reaching it ends that step's reads."""
+
+    __slots__ = ("event_ids", "done")
+
+    def __init__(self, event_ids: list[int], done: _Done) -> None:
+        self.event_ids = event_ids
+        self.done = done
+
+
+def _hold_attention(environ=None) -> bool:
+    value = (os.environ if environ is None else environ).get(ENV_HOLD_ATTENTION, "1")
+    return value.strip().lower() not in {"0", "false", "no", "off"}
+
+
+# ---------------------------------------------------------------------------------- scheduler half
+def make_touch(original, hold_attention: bool | None = None):
+    """``touch_sending_mamba_blocks`` for layerwise mode; other modes call ``original``."""
+    hold = _hold_attention() if hold_attention is None else hold_attention
+
+    @functools.wraps(original)
+    def touch_sending_mamba_blocks(self, req_meta):
+        if not self.use_layerwise:
+            return original(self, req_meta)
+        mamba = self.mamba_group_ids
+        if not self.use_hybrid or not mamba or not req_meta.can_save:
+            return None
+        held: list[int] = []
+        for group_id, block_ids in enumerate(req_meta.block_ids_by_group):
+            if group_id in mamba:
+                held.extend(b for b in block_ids if b > 0)
+            elif hold:
+                first = req_meta.save_start_token // self._get_effective_group_block_size(group_id)
+                if req_meta.partial_block_index is not None:
+                    first = min(first, req_meta.partial_block_index)
+                held.extend(b for b in block_ids[first:] if b > 0)
+        pool = self._block_pool
+        assert pool is not None, "bind_gpu_block_pool() was not called"
+        event_id = self.get_sending_event_id()
+        req_meta.event_id = event_id
+        pool.touch([pool.blocks[b] for b in held])
+        self.sending_events[event_id] = 0
+        self.sending_blocks[event_id] = held
+        return None
+
+    return touch_sending_mamba_blocks
+
+
+# ------------------------------------------------------------------------------------- worker half
+def make_start_load_kv(original):
+    @functools.wraps(original)
+    def start_load_kv(self, metadata):
+        if self.use_layerwise:
+            ids = [r.event_id for r in metadata.requests if r.event_id is not None]
+            if ids:
+                self.__dict__.setdefault(_PENDING, []).extend(ids)
+        return original(self, metadata)
+
+    return start_load_kv
+
+
+def _queue_release(worker) -> None:
+    ids = worker.__dict__.pop(_PENDING, None)
+    if not ids:
+        return
+    done = worker.__dict__.get(_DONE)
+    if done is None:
+        done = worker.__dict__.setdefault(_DONE, _Done())
+    thread = worker.kv_send_thread
+    if thread is None:
+        done.add(ids)  # no sending thread on this worker: nothing reads the blocks
+    else:
+        thread.request_queue.put(_Release(ids, done))
+
+
+def make_save_kv_layer(original):
+    @functools.wraps(original)
+    def save_kv_layer(self, connector_metadata):
+        last = self.current_layer == self.num_layers - 1
+        original(self, connector_metadata)
+        if last:
+            _queue_release(self)
+
+    return save_kv_layer
+
+
+def make_build_connector_worker_meta(original):
+    meta_cls = original.__globals__["AscendStoreKVConnectorWorkerMetadata"]
+
+    @functools.wraps(original)
+    def build_connector_worker_meta(self):
+        meta = original(self)
+        done = self.__dict__.get(_DONE)
+        ids = done.take() if done is not None and done.ids else None
+        if not ids:
+            return meta
+        if meta is None:
+            meta = meta_cls()
+        for event_id in ids:
+            meta.completed_events[event_id] = 1  # one report per worker, as upstream
+        return meta
+
+    return build_connector_worker_meta
+
+
+def make_handle_request(original):
+    @functools.wraps(original)
+    def _handle_request(self, transfer_tasks):
+        if type(transfer_tasks) is _Release:
+            transfer_tasks.done.add(transfer_tasks.event_ids)
+            self.request_queue.task_done()
+            return None
+        return original(self, transfer_tasks)
+
+    return _handle_request
+
+
+# ----------------------------------------------------------------------------- checks on targets
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _expects(params: list[str], *, needs: tuple[str, ...] = (), globals_: tuple[str, ...] = ()):
+    def check(original) -> str | None:
+        got = list(inspect.signature(original).parameters)
+        if got != params:
+            return f"{original.__qualname__} parameters are {got}, expected {params}"
+        source = _source(original)
+        missing = [n for n in needs if source and n not in source]
+        if missing:
+            return f"{original.__qualname__} no longer uses {', '.join(missing)}"
+        absent = [n for n in globals_ if n not in original.__globals__]
+        if absent:
+            return f"{original.__module__} no longer defines/imports {', '.join(absent)}"
+        return None
+
+    return check
+
+
+def _scheduler_ok(original) -> str | None:
+    problem = _expects(["self", "req_meta"], needs=("sending_events", "sending_blocks", "get_sending_event_id"))(
+        original
+    )
+    if problem:
+        return problem
+    cls = original.__globals__.get("KVPoolScheduler")
+    for name in ("update_connector_output", "get_sending_event_id", "_get_effective_group_block_size"):
+        if not callable(getattr(cls, name, None)):
+            return f"KVPoolScheduler.{name} is gone"
+    freeing = _source(cls.update_connector_output)
+    if freeing and not all(n in freeing for n in ("completed_events", "_expected_worker_count", "free_blocks")):
+        return "KVPoolScheduler.update_connector_output no longer frees on completed_events from every worker"
+    return None
+
+
+def _upstream_reports_layerwise(_original) -> str | None:
+    """Skip the whole group once vllm-ascend's layer sending thread reports completed events."""
+    kv_transfer = importlib.import_module(f"{STORE}.kv_transfer")
+    thread = getattr(kv_transfer, "KVCacheStoreLayerSendingThread", None)
+    if thread is not None and ("completed_events" in vars(thread) or "get_completed_events" in vars(thread)):
+        return "KVCacheStoreLayerSendingThread reports completed events itself"
+    return None
+
+
+def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
+    return PatchSpec(
+        name=name,
+        group=GROUP,
+        target=f"{STORE}.{target}",
+        factory=factory,
+        why="hold the blocks a layerwise send reads until it is done, then release them: " + RISK + " otherwise",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=precondition,
+        fixed_upstream=_upstream_reports_layerwise,
+    )
+
+
+_TASKS = ["self", "transfer_tasks"]
+
+SPECS = (
+    _spec(
+        "mamba_worker_events",
+        "pool_worker:KVPoolWorker.start_load_kv",
+        make_start_load_kv,
+        _expects(["self", "metadata"], needs=("use_layerwise", "current_layer")),
+    ),
+    _spec(
+        "mamba_worker_release",
+        "pool_worker:KVPoolWorker.save_kv_layer",
+        make_save_kv_layer,
+        _expects(["self", "connector_metadata"], needs=("current_layer", "num_layers", "kv_send_thread")),
+    ),
+    _spec(
+        "mamba_worker_report",
+        "pool_worker:KVPoolWorker.build_connector_worker_meta",
+        make_build_connector_worker_meta,
+        _expects(["self"], globals_=("AscendStoreKVConnectorWorkerMetadata",)),
+    ),
+    _spec(
+        "mamba_thread_marker",
+        "kv_transfer:KVCacheStoreLayerSendingThread._handle_request",
+        make_handle_request,
+        _expects(_TASKS, needs=("request_queue.task_done",)),
+    ),
+    _spec(
+        "mamba_key_thread_marker",
+        "kv_transfer:KVCacheStoreKeyLayerSendingThread._handle_request",
+        make_handle_request,
+        _expects(_TASKS, needs=("request_queue.task_done",)),
+    ),
+    _spec(
+        "mamba_scheduler_touch",
+        "pool_scheduler:KVPoolScheduler.touch_sending_mamba_blocks",
+        make_touch,
+        _scheduler_ok,
+    ),
+)

@@ -1,0 +1,261 @@
+"""Block lifetime under layerwise sends: the seed's race, our protocol, the upstream leak.
+
+Harness: tests/standins/harness_pool.py (real BlockPool, KVPoolScheduler / KVPoolWorker methods,
+KVCacheStoreLayerSendingThread; MemCache replaced by a backend that checks every block it reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ascend_layerwise_patch
+from ascend_layerwise_patch.patches import mamba_lifetime
+from ascend_layerwise_patch.registry import APPLIED, FAILED, MARKER, Registry
+
+from harness_pool import ATTN, MAMBA, Harness
+
+pytestmark = pytest.mark.pairs("v0251", "v0250")
+
+_OUR_NAMES = {s.name for s in mamba_lifetime.SPECS}
+_local: Registry | None = None
+
+
+def _registry() -> Registry:
+    """The process registry once it carries this group, else a registry of this group alone."""
+    global _local
+    if _OUR_NAMES <= {s.name for s in ascend_layerwise_patch.REGISTRY.specs}:
+        return ascend_layerwise_patch.REGISTRY
+    if _local is None:
+        _local = Registry(mamba_lifetime.SPECS)
+    return _local
+
+
+def _targets():
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import kv_transfer, pool_scheduler, pool_worker
+
+    return (
+        vars(pool_scheduler.KVPoolScheduler)["touch_sending_mamba_blocks"],
+        vars(pool_worker.KVPoolWorker)["save_kv_layer"],
+        vars(kv_transfer.KVCacheStoreLayerSendingThread)["_handle_request"],
+    )
+
+
+@pytest.fixture
+def patched():
+    reg = _registry()
+    reg.revert()
+    reg.activate(environ={})
+    states = {st.name: st.state for st in reg.status() if st.name in _OUR_NAMES}
+    assert set(states.values()) == {APPLIED}, reg.status()
+    yield
+    reg.activate(environ={})
+
+
+@pytest.fixture
+def unpatched():
+    reg = _registry()
+    reg.revert()
+    assert not any(hasattr(t, MARKER) for t in _targets())
+    yield
+    reg.activate(environ={})
+
+
+def _race(h: Harness) -> None:
+    """A slow send (past the step's wait) of a request that finishes; another request reuses its blocks."""
+    h.add("a", 8, decode_steps=0, behaviour="slow")
+    h.step()  # a: prefill + save (stuck behind the gate: save_kv_layer times out), finishes
+    assert h.reqs["a"].state == "done"
+    h.add("b", 16, decode_steps=0)
+    h.step()  # b: allocates what the pool has free
+    h.step()
+    h.release("a")
+    h.drain()
+
+
+def test_seed_race_detected(unpatched):
+    """The seed change (no touch in layerwise mode): a's blocks go to b while a's send reads them."""
+    h = Harness(tp=1, num_blocks=16, seed_skip_touch=True)
+    try:
+        _race(h)
+    finally:
+        h.close()
+    foreign = [v for v in h.backend.violations if v.kind == "foreign"]
+    assert foreign, h.backend.violations
+    assert {v.reader for v in foreign} == {"a"} and {v.mark for v in foreign} == {"b"}
+    print(f"\nseed race: {len(foreign)} foreign reads of {h.backend.reads}")
+
+
+def test_patched_race_is_safe(patched):
+    h = Harness(tp=1, num_blocks=16)
+    try:
+        _race(h)
+    finally:
+        h.close()
+    assert h.backend.violations == []
+    assert h.backend.reads > 0
+    assert h.held_blocks() == [] and h.leaked() == 0
+    assert h.sched.sending_blocks == {} and h.sched.sending_events == {}
+
+
+def test_patched_holds_until_the_send_is_done(patched):
+    """While the send is stuck, a finished request's blocks stay referenced; released right after."""
+    h = Harness(tp=2, num_blocks=32)
+    try:
+        h.add("a", 8, decode_steps=0, behaviour="slow")
+        h.step()
+        held = set(h.held_blocks())
+        assert held and h.reqs["a"].state == "done"
+        for _ in range(3):
+            h.step()
+        assert set(h.held_blocks()) == held  # nothing reports while the copy is in flight
+        h.release("a")
+        h.drain()
+    finally:
+        h.close()
+    assert h.held_blocks() == [] and h.leaked() == 0 and h.backend.violations == []
+
+
+def _workload(h: Harness, n: int) -> None:
+    for i in range(n):
+        h.add(f"r{i}", 10 + (i % 3) * 4, decode_steps=i % 2)
+        h.step()
+    h.drain()
+
+
+def test_unpatched_leaks(unpatched):
+    """vllm-ascend 0.25.1rc1 as released: touched mamba blocks are never released in layerwise mode."""
+    leaks = {}
+    for n in (10, 20):
+        h = Harness(tp=1, num_blocks=256)
+        try:
+            _workload(h, n)
+        finally:
+            h.close()
+        assert not h.live()
+        leaks[n] = h.leaked()
+        assert h.leaked() == len(h.held_blocks())
+    print(f"\nunpatched 0.25.1rc1, layerwise: blocks leaked per N requests: {leaks}")
+    assert 0 < leaks[10] < leaks[20]
+
+
+def test_patched_no_leak(patched):
+    for tp in (1, 2):
+        h = Harness(tp=tp, num_blocks=256)
+        try:
+            _workload(h, 20)
+        finally:
+            h.close()
+        assert h.leaked() == 0 and h.held_blocks() == [] and h.backend.violations == []
+
+
+def _attention_race(h: Harness) -> None:
+    h.add("a", 12, decode_steps=0, behaviour="slow")
+    h.step()
+    h.step()  # a finishes; vLLM gets all its blocks back at once (layerwise never delays the free)
+    assert h.reqs["a"].state == "done"
+    h.add("b", 24, decode_steps=0)
+    h.step()
+    h.step()
+    h.release("a")
+    h.drain()
+
+
+def test_full_attention_after_timeout_mamba_only(patched, monkeypatch):
+    """ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION=0: mamba blocks are safe, full attention is not."""
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler import KVPoolScheduler
+
+    original = vars(KVPoolScheduler)["touch_sending_mamba_blocks"].__wrapped__
+    monkeypatch.setattr(KVPoolScheduler, "touch_sending_mamba_blocks", mamba_lifetime.make_touch(original, False))
+    h = Harness(tp=1, num_blocks=20)
+    try:
+        _attention_race(h)
+    finally:
+        h.close()
+    a = h.reqs["a"].ever
+    bad = {v.block_id for v in h.backend.violations}
+    assert bad, "expected reads of a's reallocated full-attention blocks"
+    assert bad <= a[ATTN] and not bad & a[MAMBA]
+    assert {v.mark for v in h.backend.violations if v.kind == "foreign"} <= {"b"}
+    assert h.leaked() == 0
+    print(f"\nmamba-only hold: {len(h.backend.violations)} bad reads, all on a's full-attention blocks {sorted(bad)}")
+
+
+def test_full_attention_after_timeout_default(patched):
+    h = Harness(tp=1, num_blocks=20)
+    try:
+        _attention_race(h)
+    finally:
+        h.close()
+    assert h.backend.violations == [] and h.leaked() == 0 and h.held_blocks() == []
+
+
+def test_env_knob_parsing():
+    assert mamba_lifetime._hold_attention({}) is True
+    assert mamba_lifetime._hold_attention({mamba_lifetime.ENV_HOLD_ATTENTION: "0"}) is False
+    assert mamba_lifetime._hold_attention({mamba_lifetime.ENV_HOLD_ATTENTION: "1"}) is True
+
+
+def test_group_is_all_or_nothing(unpatched):
+    """A drifted worker target leaves the scheduler half unapplied too, and says what risk remains."""
+    drifted = tuple(
+        dataclasses.replace(s, precondition=lambda _o: "drifted in this test")
+        if s.name == "mamba_worker_release"
+        else s
+        for s in mamba_lifetime.SPECS
+    )
+    reg = Registry(drifted)
+    try:
+        reg.activate(environ={})
+        states = {st.name: (st.state, st.reason) for st in reg.status()}
+        assert {s for s, _ in states.values()} == {FAILED}, states
+        assert not any(hasattr(t, MARKER) for t in _targets())
+        assert mamba_lifetime.RISK in mamba_lifetime.SPECS[0].why
+    finally:
+        reg.revert()
+
+
+# ------------------------------------------------------------------------------ randomized
+_BEHAVIOUR = st.sampled_from(["fast", "fast", "fast", "slow", "fail", "raise"])
+_ARRIVAL = st.tuples(st.integers(1, 24), st.integers(0, 3), _BEHAVIOUR, st.integers(1, 4))
+_STEP = st.tuples(
+    st.lists(_ARRIVAL, max_size=2),
+    st.one_of(st.none(), st.integers(0, 7)),  # abort the i-th live request
+    st.one_of(st.none(), st.integers(0, 7)),  # preempt the i-th live request
+)
+
+
+def _check_step(h: Harness) -> None:
+    assert h.backend.violations == [], h.backend.violations[:5]
+    for ids in h.sched.sending_blocks.values():  # every block an unfinished send may read is held
+        assert all(h.pool.blocks[b].ref_cnt > 0 for b in ids)
+    for req in h.live():  # what vLLM thinks a request owns is marked with that request
+        for g in (ATTN, MAMBA):
+            assert all(h.marks[b.block_id] == req.id for b in req.blocks[g] if not b.is_null)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(tp=st.sampled_from([1, 2]), chunk=st.sampled_from([4, 8, 12]), steps=st.lists(_STEP, min_size=1, max_size=10))
+def test_randomized_schedules(patched, tp, chunk, steps):
+    h = Harness(tp=tp, num_blocks=48, chunk=chunk)
+    n = 0
+    try:
+        for arrivals, abort, preempt in steps:
+            for prompt, decode, behaviour, delay in arrivals:
+                h.add(f"q{n}", prompt, decode, behaviour, release_after=delay)
+                n += 1
+            live = h.live()
+            abort_ids = [live[abort % len(live)].id] if live and abort is not None else []
+            preempt_ids = [live[preempt % len(live)].id] if live and preempt is not None else []
+            h.step(abort=abort_ids, preempt=[r for r in preempt_ids if r not in abort_ids])
+            _check_step(h)
+        h.drain()
+        _check_step(h)
+    finally:
+        h.close()
+    assert not h.live()
+    assert h.held_blocks() == [] and h.leaked() == 0
+    assert h.sched.sending_blocks == {}
