@@ -58,11 +58,10 @@ Design, and why it suits triton-ascend as well as a GPU:
 Importing this module imports neither torch nor triton. The launcher object is what gets
 installed (also in ``check --cpu``, where the NPU stand-ins make real Triton unusable); the Triton
 functions below are plain Python until :func:`compiled` hands them to ``triton.jit``, on the first
-launch. That is why their constexpr parameters are annotated with the string ``"constexpr"``
-(what Triton's own parser reads) and why ``tl`` is bound late.
+launch, which binds ``tl`` to ``triton.language``. Until then ``tl`` is a placeholder whose only
+attribute, ``constexpr``, is the string Triton looks for in a parameter's annotation: the
+annotations read ``tl.constexpr`` as in any Triton code (the interpreter re-reads them as text).
 """
-
-from __future__ import annotations
 
 import threading
 from typing import Any
@@ -102,13 +101,21 @@ MAX_PIECES = 32
 PROGRAMS_PER_CORE = 8
 PIECE_ALIGN = 256
 
-tl: Any = None  # triton.language, bound by compiled()
+
+
+class _Placeholder:
+    """``tl`` before compiled(): annotations ``tl.constexpr`` evaluate to what Triton reads."""
+
+    constexpr = "constexpr"
+
+
+tl: Any = _Placeholder()  # triton.language once compiled() has run
 
 # ----------------------------------------------------------------------------- Triton code
 # Plain functions until compiled() passes them to triton.jit and rebinds these module names.
 
 
-def _copy_tile_loop(src, dst, count, LANES: "constexpr"):
+def _copy_tile_loop(src, dst, count, LANES: tl.constexpr):
     """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles, masked tail."""
     lanes = tl.arange(0, LANES)
     full = count // LANES * LANES
@@ -119,7 +126,7 @@ def _copy_tile_loop(src, dst, count, LANES: "constexpr"):
         tl.store(dst + full + lanes, tl.load(src + full + lanes, mask=mask), mask=mask)
 
 
-def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: "constexpr"):
+def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
     """Non-overlapping copy of ``nbytes`` between two int64 addresses."""
     aligned = (((src_addr | dst_addr) & 15) == 0) & ((nbytes & 7) == 0)
     if aligned:
@@ -133,7 +140,7 @@ def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: "constexpr"):
         _copy_tile_loop(src, dst, nbytes, COPY_BYTES)
 
 
-def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: "constexpr"):
+def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr):
     """This program's piece of a non-overlapping copy cut into ``pieces`` aligned pieces."""
     chunk = ((nbytes + pieces - 1) // pieces + 255) // 256 * 256
     lo = piece * chunk
@@ -142,7 +149,7 @@ def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: "constexp
         _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES)
 
 
-def _shift_in_place(src_addr, dst_addr, nbytes, COPY_BYTES: "constexpr"):
+def _shift_in_place(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
     """memmove to a lower address (``dst < src``, overlapping) by one program, front to back.
 
     Each step moves at most ``src - dst`` bytes, so a step's read never overlaps its own write
@@ -157,7 +164,7 @@ def _shift_in_place(src_addr, dst_addr, nbytes, COPY_BYTES: "constexpr"):
         tl.store(dst + i + lanes, tl.load(src + i + lanes, mask=mask), mask=mask)
 
 
-def _copy_rows(src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, ROWS: "constexpr", COLS: "constexpr"):
+def _copy_rows(src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr):
     """``row_bytes`` of each of ``rows`` rows (``row_stride`` apart); this program's rows only.
 
     A row may overlap itself (the in-place shift of a dim-first conv state): a row lies in one
@@ -197,14 +204,14 @@ def _postprocess_kernel(
     num_accepted_tokens_out_ptr,
     idx_mapping_ptr,
     num_reqs,
-    block_size: "constexpr",
-    CONV_STATE_DIM_FIRST: "constexpr",
-    HAS_IDX_MAPPING: "constexpr",
-    PRECOMPUTED_NEW_COMPUTED: "constexpr",
-    REQ_BLOCK: "constexpr",
-    COPY_BYTES: "constexpr",
-    DS_ROWS: "constexpr",
-    DS_COLS: "constexpr",
+    block_size: tl.constexpr,
+    CONV_STATE_DIM_FIRST: tl.constexpr,
+    HAS_IDX_MAPPING: tl.constexpr,
+    PRECOMPUTED_NEW_COMPUTED: tl.constexpr,
+    REQ_BLOCK: tl.constexpr,
+    COPY_BYTES: tl.constexpr,
+    DS_ROWS: tl.constexpr,
+    DS_COLS: tl.constexpr,
 ):
     state_idx = tl.program_id(0)
     piece = tl.program_id(1)

@@ -23,8 +23,10 @@ How      The scheduler keeps touching (and records the blocks under the event, a
          events completed; ``build_connector_worker_meta`` reports them, and the scheduler's own
          ``update_connector_output`` frees the blocks once all ``_expected_worker_count`` workers
          have. A worker that sent nothing reaches the marker at once; a step with no forward keeps
-         its events for the next step's marker (tasks it built are sent then). Hot paths stay plain
-         functions: one comparison per layer, one ``type() is`` per queued item.
+         its events for the next step's marker (tasks it built are sent then). A layer whose copy
+         raises has its task list cleared (upstream only clears it when the copy returns, so those
+         tasks would be re-sent every later step, after their blocks were released). Hot paths
+         stay plain functions: one comparison per layer, one ``type() is`` per queued item.
 Full attention after a save timeout
          ``request_finished`` / ``request_finished_all_groups`` free every block at once in layerwise
          mode, so full-attention blocks have the same exposure: after a save timeout, a finished,
@@ -198,7 +200,14 @@ def make_handle_request(original):
             transfer_tasks.done.add(transfer_tasks.event_ids)
             self.request_queue.task_done()
             return None
-        return original(self, transfer_tasks)
+        try:
+            return original(self, transfer_tasks)
+        except Exception:
+            # Upstream clears a layer's task list (the worker's own list object) only when the
+            # copy returns; after a raise the same tasks would be sent again with every later
+            # step, long after their blocks were released. Drop them, as a failed copy is.
+            transfer_tasks.clear()
+            raise
 
     return _handle_request
 

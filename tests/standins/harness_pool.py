@@ -305,6 +305,7 @@ class Harness:
         self.reqs: dict[str, Req] = {}
         self.finished_ids: set[str] = set()
         self.steps = 0
+        self.allocs_while_stuck = 0  # allocations made while some slow copy was held at its gate
         self.initial_free = self.pool.get_num_free_blocks()
         self._hasher = get_request_block_hasher(BS, sha256)
 
@@ -356,6 +357,8 @@ class Harness:
         for g, n in wanted.items():
             if n:
                 got = self.pool.get_new_blocks(n)
+                if any(b.gate is not None and not b.gate.is_set() for b in self.backend.plan.values()):
+                    self.allocs_while_stuck += 1
                 for b in got:
                     self.marks[b.block_id] = req.id  # "content" of the block: its owner
                 req.blocks[g].extend(got)
@@ -468,9 +471,16 @@ class Harness:
         deadline = time.monotonic() + GATE_LIMIT_S
         while any(w.kv_send_thread.request_queue.qsize() for w in self.workers) and time.monotonic() < deadline:
             time.sleep(0.005)
-        time.sleep(0.02)  # the item the thread holds (a release marker, by now)
-        for _ in range(2):  # completed events reach the scheduler through the next step's output
+        # Completed events reach the scheduler through a later step's output. Step until none is
+        # outstanding, or until the outstanding set stops changing (nothing reports: unpatched).
+        unchanged, last = 0, None
+        while self.sched.sending_events and unchanged < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
             self.step()
+            now = set(self.sched.sending_events)
+            unchanged = unchanged + 1 if now == last else 0
+            last = now
+        self.step()
 
     def held_blocks(self) -> list[int]:
         """Blocks other than the null block that something still references."""

@@ -122,12 +122,12 @@ def test_revert_then_reapply():
 import ascend_layerwise_patch as alp
 import vllm_ascend.ops  # as the NPU platform does first: vllm-ascend has an import cycle otherwise
 import vllm_ascend.attention.utils as u, vllm_ascend.attention.mla_v1 as mla
-original = u.wait_for_kv_layer_from_connector.__wrapped__
+keep = [u.wait_for_kv_layer_from_connector.__wrapped__]  # not a module-level name: that is an unknown copy
 alp.revert()
-back = u.wait_for_kv_layer_from_connector is original and mla.wait_for_kv_layer_from_connector is original
+back = u.wait_for_kv_layer_from_connector is keep[0] and mla.wait_for_kv_layer_from_connector is keep[0]
 alp.activate()
 report(back=back, again=ours(u.wait_for_kv_layer_from_connector), alias=ours(mla.wait_for_kv_layer_from_connector),
-       inner=u.wait_for_kv_layer_from_connector.__wrapped__ is original)
+       inner=u.wait_for_kv_layer_from_connector.__wrapped__ is keep[0])
 """
         )
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import ascend_layerwise_patch
@@ -237,7 +237,7 @@ def _check_step(h: Harness) -> None:
             assert all(h.marks[b.block_id] == req.id for b in req.blocks[g] if not b.is_null)
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(tp=st.sampled_from([1, 2]), chunk=st.sampled_from([4, 8, 12]), steps=st.lists(_STEP, min_size=1, max_size=10))
 def test_randomized_schedules(patched, tp, chunk, steps):
     h = Harness(tp=tp, num_blocks=48, chunk=chunk)
@@ -256,6 +256,9 @@ def test_randomized_schedules(patched, tp, chunk, steps):
         _check_step(h)
     finally:
         h.close()
+    event(f"tp={tp}")
+    event("a copy timed out" if any(b.kind == "slow" for b in h.backend.plan.values()) else "no slow copy")
+    event("allocations during a stuck send" if h.allocs_while_stuck else "no allocation during a stuck send")
     assert not h.live()
     assert h.held_blocks() == [] and h.leaked() == 0
     assert h.sched.sending_blocks == {}

@@ -1,0 +1,488 @@
+"""The postprocess kernel under Triton's interpreter, bit-exact against a PyTorch reference.
+
+States are ``as_strided`` views into padded per-layer pages, as vLLM lays them out; every
+comparison is over the raw page bytes (padding included) and the accepted-token counts. The
+reference (``reference`` below) is written from vLLM 0.25.1's semantics, see
+``ascend_layerwise_patch.kernels.postprocess``; vLLM 0.25.1's own kernel, run through its real
+``MambaSpecDecodeGPUContext``, is a second oracle where it is race-free (V1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ascend_layerwise_patch.kernels.postprocess import PARAMS, PostprocessKernel
+from ascend_layerwise_patch.patches import postprocess_kernel as patch
+
+ON_025 = ("v0251", "v0250")
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+# ----------------------------------------------------------------------------- a small mamba cache
+
+
+@dataclass
+class Layout:
+    dim_first: bool = False
+    groups: tuple[int, ...] = (2,)  # layers per mamba group
+    width: int = 4  # conv window (tokens)
+    dim: int = 6
+    conv_dtype: torch.dtype = torch.bfloat16
+    temporal: tuple[int, int] = (2, 3)
+    temporal_dtype: torch.dtype = torch.float32
+    pad: int = 8  # page padding bytes (multiple of 4)
+    block_size: int = 4
+    spec: int = 3  # speculative tokens
+
+
+@dataclass
+class Cache:
+    layout: Layout
+    rows: int  # block-table rows (batch rows)
+    cols: int
+    pages: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> raw uint8 pages
+    states: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    layer_names: list[list[str]] = field(default_factory=list)
+    tables: list[torch.Tensor] = field(default_factory=list)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: page.clone() for name, page in self.pages.items()}
+
+
+def state_views(layout: Layout, raw: torch.Tensor, stride: int, blocks: int):
+    """(conv, temporal) of one layer: as_strided views into pages of ``stride`` bytes."""
+    lo = layout
+    conv_es = torch.tensor([], dtype=lo.conv_dtype).element_size()
+    tmp_es = torch.tensor([], dtype=lo.temporal_dtype).element_size()
+    tmp_offset = -(-(lo.width * lo.dim * conv_es) // tmp_es) * tmp_es
+    conv_shape = (lo.dim, lo.width) if lo.dim_first else (lo.width, lo.dim)
+    conv = torch.as_strided(raw.view(lo.conv_dtype), (blocks, *conv_shape), (stride // conv_es, conv_shape[1], 1))
+    h, k = lo.temporal
+    temporal = torch.as_strided(
+        raw.view(lo.temporal_dtype), (blocks, h, k), (stride // tmp_es, k, 1), tmp_offset // tmp_es
+    )
+    return conv, temporal
+
+
+def page_bytes(layout: Layout) -> int:
+    lo = layout
+    conv_es = torch.tensor([], dtype=lo.conv_dtype).element_size()
+    tmp_es = torch.tensor([], dtype=lo.temporal_dtype).element_size()
+    tmp_offset = -(-(lo.width * lo.dim * conv_es) // tmp_es) * tmp_es
+    return -(-(tmp_offset + lo.temporal[0] * lo.temporal[1] * tmp_es + lo.pad) // 4) * 4
+
+
+def make_cache(layout: Layout, rows: int, cols: int, seed: int) -> Cache:
+    """Random bytes in every page; block tables of distinct random block ids (block 0 unused)."""
+    gen = torch.Generator().manual_seed(seed)
+    page = page_bytes(layout)
+    blocks = rows * cols + 1
+    cache = Cache(layout, rows, cols)
+    for g, n_layers in enumerate(layout.groups):
+        names = [f"model.layers.{g}.{i}.linear_attn" for i in range(n_layers)]
+        cache.layer_names.append(names)
+        for name in names:
+            raw = torch.randint(0, 256, (blocks * page,), dtype=torch.uint8, generator=gen)
+            cache.pages[name] = raw
+            cache.states[name] = state_views(layout, raw, page, blocks)
+        ids = torch.randperm(rows * cols, generator=gen).to(torch.int32) + 1
+        table = torch.full((rows, cols + 3), -7, dtype=torch.int32)  # wider than used: a real stride
+        table[:, :cols] = ids.view(rows, cols)
+        cache.tables.append(table)
+    return cache
+
+
+def metadata(cache: Cache) -> dict:
+    """The kernel's flattened per-(layer, state) metadata, built the way vLLM 0.25 documents it."""
+    rows = []
+    for g, names in enumerate(cache.layer_names):
+        for name in names:
+            conv, temporal = cache.states[name]
+            es = conv.element_size()
+            if cache.layout.dim_first:
+                rows.append((conv, conv.size(2), 1, conv.size(1), conv.stride(1) * es, g))
+            else:
+                rows.append((conv, conv.size(1), conv.stride(1), 0, 0, g))
+            rows.append((temporal, 0, temporal[0].numel(), 0, 0, g))
+    col = lambda i, dtype: torch.tensor([r[i] for r in rows], dtype=dtype)  # noqa: E731
+    return dict(
+        block_table_ptrs_ptr=torch.tensor([t.data_ptr() for t in cache.tables], dtype=torch.int64),
+        block_table_stride_req=cache.tables[0].stride(0),
+        state_base_addrs_ptr=torch.tensor([r[0].data_ptr() for r in rows], dtype=torch.int64),
+        state_block_strides_ptr=torch.tensor([r[0].stride(0) * r[0].element_size() for r in rows], dtype=torch.int64),
+        state_elem_sizes_ptr=torch.tensor([r[0].element_size() for r in rows], dtype=torch.int32),
+        state_inner_sizes_ptr=col(2, torch.int64),
+        state_conv_widths_ptr=col(1, torch.int32),
+        state_group_indices_ptr=col(5, torch.int32),
+        state_dim_row_count_ptr=col(3, torch.int32),
+        state_dim_row_stride_ptr=col(4, torch.int64),
+    )
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Step:
+    """One step's per-request inputs. Per-request arrays are indexed by slot; rows by batch."""
+
+    slots: list[int]  # batch row -> request slot (-1: skipped row); identity for V1
+    accepted: torch.Tensor
+    state_idx: torch.Tensor
+    running: torch.Tensor  # tokens in the running state (V1: computed + scheduled - draft)
+    draft: torch.Tensor
+
+
+def decide(step: Step, slot: int, block_size: int):
+    accepted, running = int(step.accepted[slot]), int(step.running[slot])
+    new = running + accepted - 1
+    aligned = new // block_size * block_size
+    if aligned < running:
+        return None
+    return int(step.state_idx[slot]), aligned // block_size - 1, aligned - running
+
+
+def reference(cache: Cache, step: Step) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """vLLM 0.25.1's postprocess semantics in PyTorch, on byte views (a copy is a memmove)."""
+    pages = cache.snapshot()
+    out = step.accepted.clone()
+    lo = cache.layout
+    for b, slot in enumerate(step.slots):
+        if slot < 0 or (d := decide(step, slot, lo.block_size)) is None:
+            continue
+        src, dst, bias = d
+        if src == dst:
+            out[slot] = 1
+            if bias == 0:
+                continue
+        for g, names in enumerate(cache.layer_names):
+            bt = cache.tables[g][b].tolist()
+            for name in names:
+                conv, temporal = (s.view(torch.uint8) for s in cache.states[name])
+                conv = torch.as_strided(pages[name], conv.shape, conv.stride(), conv.storage_offset())
+                temporal = torch.as_strided(pages[name], temporal.shape, temporal.stride(), temporal.storage_offset())
+                es = cache.states[name][0].element_size()
+                if lo.dim_first:
+                    conv[bt[dst], :, : (lo.width - bias) * es] = conv[bt[src], :, bias * es :].clone()
+                else:
+                    conv[bt[dst], : lo.width - bias] = conv[bt[src], bias:].clone()
+                temporal[bt[dst]] = temporal[bt[src + bias]].clone()
+    return pages, out
+
+
+@st.composite
+def steps(draw, layout: Layout, n_rows: int, v2: bool):
+    """Requests that hit every branch: no copy, copy with / without bias, src == dst."""
+    bs, spec = layout.block_size, layout.spec
+    n_slots = n_rows + 2 if v2 else n_rows
+    slots = list(range(n_rows))
+    if v2:
+        slots = draw(st.permutations(range(n_slots)))[:n_rows]
+        slots = [s if not draw(st.booleans()) or i == 0 else -1 for i, s in enumerate(slots)]
+    accepted = torch.ones(n_slots, dtype=torch.int32)
+    state_idx = torch.zeros(n_slots, dtype=torch.int32)
+    running = torch.ones(n_slots, dtype=torch.int32)
+    draft = torch.zeros(n_slots, dtype=torch.int32)
+    for s in range(n_slots):
+        draft[s] = draw(st.integers(0, spec))
+        accepted[s] = draw(st.integers(1, int(draft[s]) + 1))
+        running[s] = draw(st.integers(1, 5 * bs))
+        new = int(running[s] + accepted[s] - 1)
+        dst = new // bs - 1
+        state_idx[s] = max(0, draw(st.sampled_from([dst, dst, dst - 1, dst + 1, 0])))
+    return Step(slots, accepted, state_idx, running, draft)
+
+
+def cols_needed(layout: Layout) -> int:
+    return 5 + layout.spec + 3
+
+
+layouts = st.builds(
+    Layout,
+    dim_first=st.booleans(),
+    groups=st.sampled_from([(1,), (2,), (1, 2)]),
+    width=st.integers(2, 5),
+    dim=st.integers(1, 9),
+    conv_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    temporal=st.tuples(st.integers(1, 3), st.integers(1, 5)),
+    temporal_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    pad=st.sampled_from([0, 4, 12, 40]),
+    block_size=st.sampled_from([2, 4, 8]),
+    spec=st.sampled_from([0, 3]),
+)
+kernels = st.builds(
+    PostprocessKernel, pieces=st.sampled_from([1, 2, 3, 4]), copy_bytes=st.sampled_from([16, 64, 256])
+)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def v1_args(cache: Cache, step: Step, out: torch.Tensor) -> dict:
+    computed = step.running - 1
+    return dict(
+        num_accepted_tokens_ptr=step.accepted.clone(),
+        mamba_state_idx_ptr=step.state_idx,
+        num_scheduled_tokens_ptr=1 + step.draft,
+        num_computed_tokens_ptr=computed,
+        num_draft_tokens_ptr=step.draft,
+        **metadata(cache),
+        num_accepted_tokens_out_ptr=out,
+        idx_mapping_ptr=None,
+        num_reqs=len(step.slots),
+        block_size=cache.layout.block_size,
+        COPY_BLOCK_SIZE=1024,
+        CONV_STATE_DIM_FIRST=cache.layout.dim_first,
+    )
+
+
+def launch_direct(kernel, cache: Cache, step: Step, v2: bool) -> torch.Tensor:
+    """Our kernel, launched as vLLM's callers do (V2: with an out buffer, as our caller does)."""
+    n_states = 2 * sum(cache.layout.groups)
+    if not v2:
+        # V1 inputs are computed + scheduled - draft = running, with scheduled = 1 + draft
+        out = step.accepted.clone()
+        args = v1_args(cache, step, out)
+        args["num_computed_tokens_ptr"] = step.running - 1
+        kernel[(len(step.slots), n_states)](**args)
+        return out
+    live = step.accepted.clone()
+    kernel[(len(step.slots), n_states)](
+        step.accepted.clone(),
+        step.state_idx,
+        None,
+        step.running + step.accepted - 1,
+        None,
+        *metadata(cache).values(),
+        live,
+        torch.tensor(step.slots, dtype=torch.int32),
+        len(step.slots),
+        block_size=cache.layout.block_size,
+        COPY_BLOCK_SIZE=1024,
+        CONV_STATE_DIM_FIRST=cache.layout.dim_first,
+        HAS_IDX_MAPPING=True,
+        PRECOMPUTED_NEW_COMPUTED=True,
+    )
+    return live
+
+
+def assert_same(cache: Cache, expected_pages, got_out, expected_out):
+    for name, page in cache.pages.items():
+        bad = (page != expected_pages[name]).nonzero()
+        assert bad.numel() == 0, f"{name}: {bad.numel()} bytes differ, first at {bad[:4].flatten().tolist()}"
+    assert torch.equal(got_out, expected_out), (got_out, expected_out)
+
+
+@given(layout=layouts, kernel=kernels, n_rows=st.integers(1, 5), v2=st.booleans(), data=st.data())
+@SETTINGS
+def test_direct_launch_matches_reference(layout, kernel, n_rows, v2, data):
+    step = data.draw(steps(layout, n_rows, v2))
+    cache = make_cache(layout, n_rows, cols_needed(layout), seed=n_rows)
+    expected_pages, expected_out = reference(cache, step)
+    out = launch_direct(kernel, cache, step, v2)
+    n_slots = len(step.accepted)
+    assert_same(cache, expected_pages, out[:n_slots], expected_out)
+
+
+def test_signature_is_vllm_025s():
+    import inspect
+
+    assert len(PARAMS) == 23
+    assert PostprocessKernel.arg_names == PARAMS
+    src = inspect.getsource(patch)  # the V2 caller passes them in this order, by position
+    assert "num_accepted_tokens_gpu,  # out" in src
+
+
+def test_block_stride_above_2_31_bytes():
+    """Block 1 of each state sits 2**32 + 4 KiB above block 0: an int32 block offset would wrap
+    to 4 KiB, into memory this test watches. The storage is one sparse allocation (only the
+    pages in use are touched); the expected bytes come from a compact twin of the same cache."""
+    layout = Layout(groups=(1,), pad=8, block_size=4, spec=3)
+    twin = make_cache(layout, rows=1, cols=1, seed=3)  # 2 blocks
+    twin.tables[0][0, :2] = torch.tensor([1, 0], dtype=torch.int32)
+    page, stride = page_bytes(layout), 2**32 + 4096
+    big = Cache(layout, 1, 2, layer_names=twin.layer_names, tables=twin.tables)
+    for name, compact in twin.pages.items():
+        raw = torch.empty(stride + page, dtype=torch.uint8)
+        raw[:page], raw[stride:] = compact[:page], compact[page:]
+        raw[4096 : 4096 + page] = 0xA5
+        big.pages[name], big.states[name] = raw, state_views(layout, raw, stride, 2)
+    # new 5, accepted 3: dst col 0 == src col 0 (block 1), bias 1: conv shifted in place,
+    # temporal from col 1 (block 0, 4 GiB below) to block 1
+    step = Step([0], *(torch.tensor([v], dtype=torch.int32) for v in (3, 0, 3, 3)))
+    expected_pages, expected_out = reference(twin, step)
+    out = launch_direct(PostprocessKernel(), big, step, v2=False)
+    assert out.tolist() == expected_out.tolist() == [1]
+    for name, raw in big.pages.items():
+        assert torch.equal(raw[:page], expected_pages[name][:page])
+        assert torch.equal(raw[stride:], expected_pages[name][page:])
+        assert bool((raw[4096 : 4096 + page] == 0xA5).all())
+        assert not torch.equal(expected_pages[name], twin.pages[name])  # something was copied
+
+
+# ----------------------------------------------------------------------------- vLLM's callers
+
+
+@contextlib.contextmanager
+def conv_layout(dim_first: bool):
+    old = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS" if dim_first else "SD"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["VLLM_SSM_CONV_STATE_LAYOUT"]
+        else:
+            os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = old
+
+
+def vllm_context(cache: Cache, max_reqs: int):
+    """vLLM 0.25's real MambaSpecDecodeGPUContext over this cache (metadata built by vLLM)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.utils import CpuGpuBuffer
+    from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
+
+    lo = cache.layout
+    conv, temporal = next(iter(cache.states.values()))
+    spec = MambaSpec(
+        block_size=lo.block_size,
+        shapes=(tuple(conv.shape[1:]), tuple(temporal.shape[1:])),
+        dtypes=(lo.conv_dtype, lo.temporal_dtype),
+        mamba_cache_mode="align",
+        num_speculative_blocks=lo.spec,
+    )
+    groups = [KVCacheGroupSpec(names, spec) for names in cache.layer_names]
+    config = KVCacheConfig(num_blocks=conv.shape[0], kv_cache_tensors=[], kv_cache_groups=groups)
+    make_buffer = lambda n, dtype: CpuGpuBuffer(n, dtype=dtype, device="cpu", pin_memory=False)  # noqa: E731
+    ctx = MambaSpecDecodeGPUContext.create(max_reqs, config, 2, torch.device("cpu"), make_buffer)
+    forward_context = {name: SimpleNamespace(kv_cache=list(states)) for name, states in cache.states.items()}
+    ctx.initialize_from_forward_context(config, forward_context, (get_conv_copy_spec, get_temporal_copy_spec), cache.tables)
+    return ctx
+
+
+def run_v1(ctx, step: Step) -> torch.Tensor:
+    n = len(step.slots)
+    ctx.run_fused_postprocess(
+        num_reqs=n,
+        num_accepted_tokens_gpu=step.accepted.clone(),
+        mamba_state_idx_gpu=step.state_idx,
+        num_scheduled_tokens_gpu=1 + step.draft,
+        num_computed_tokens_gpu=step.running - 1,
+        num_draft_tokens_gpu=step.draft,
+    )
+    return ctx.num_accepted_tokens_out[:n].clone()
+
+
+def run_v2(ctx, step: Step) -> torch.Tensor:
+    live = step.accepted.clone()
+    ctx.run_fused_postprocess_align(
+        len(step.slots), live, step.state_idx, step.running + step.accepted - 1,
+        torch.tensor(step.slots, dtype=torch.int32),
+    )
+    return live
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """What the patch group installs on vLLM 0.25: our kernel, and our V2 caller."""
+    from vllm.v1.worker import mamba_utils
+
+    original_v2 = mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align
+    assert patch._v2_caller_as_expected(original_v2) is None
+    assert patch._v2_caller_passes_out(original_v2) is None
+    monkeypatch.setattr(mamba_utils, "postprocess_mamba_fused_kernel", patch.kernel_factory(None))
+    monkeypatch.setattr(
+        mamba_utils.MambaSpecDecodeGPUContext, "run_fused_postprocess_align", patch.v2_caller_factory(original_v2)
+    )
+    return mamba_utils
+
+
+@pytest.mark.pairs(*ON_025)
+@given(layout=layouts, n_rows=st.integers(1, 5), v2=st.booleans(), data=st.data())
+@settings(SETTINGS, max_examples=20)
+def test_vllm_callers_with_our_kernel(layout, n_rows, v2, data):
+    """V1 ``run_fused_postprocess`` (out buffer) and V2 ``run_fused_postprocess_align``
+    (HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED), vLLM's own code, with the patch's objects."""
+    from vllm.v1.worker import mamba_utils
+
+    step = data.draw(steps(layout, n_rows, v2))
+    cache = make_cache(layout, n_rows, cols_needed(layout), seed=n_rows)
+    expected_pages, expected_out = reference(cache, step)
+    saved = (mamba_utils.postprocess_mamba_fused_kernel, mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align)
+    original_v2 = saved[1]
+    mamba_utils.postprocess_mamba_fused_kernel = patch.kernel_factory(None)
+    mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align = patch.v2_caller_factory(original_v2)
+    try:
+        with conv_layout(layout.dim_first):
+            ctx = vllm_context(cache, max_reqs=len(step.accepted) + 1)
+            out = run_v2(ctx, step) if v2 else run_v1(ctx, step)
+    finally:
+        mamba_utils.postprocess_mamba_fused_kernel = saved[0]
+        mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align = saved[1]
+    assert_same(cache, expected_pages, out, expected_out[: len(out)])
+
+
+@pytest.mark.pairs(*ON_025)
+@given(layout=layouts, n_rows=st.integers(1, 4), data=st.data())
+@settings(SETTINGS, max_examples=8)
+def test_reference_agrees_with_vllms_kernel_on_v1(layout, n_rows, data):
+    """The reference is vLLM 0.25.1's semantics: its own kernel, V1 (race-free), agrees."""
+    from vllm.v1.worker import mamba_utils
+
+    assert "InterpretedFunction" in type(mamba_utils.postprocess_mamba_fused_kernel).__name__
+    step = data.draw(steps(layout, n_rows, v2=False))
+    cache = make_cache(layout, n_rows, cols_needed(layout), seed=n_rows)
+    expected_pages, expected_out = reference(cache, step)
+    with conv_layout(layout.dim_first):
+        out = run_v1(vllm_context(cache, max_reqs=n_rows), step)
+    assert_same(cache, expected_pages, out, expected_out)
+
+
+# ----------------------------------------------------------------------------- the V2 race
+
+
+def race_case(dim_first: bool) -> tuple[Cache, Step]:
+    """Request slot 2 at batch row 0: new 5, accepted 3, block size 4 -> dst col 0 == src col 0,
+    bias 1. The (row 0, state 0) program sets accepted to 1; a program that reads 1 afterwards
+    sees running 5 > aligned 4 and skips its copy."""
+    layout = Layout(dim_first=dim_first, groups=(2,), block_size=4, spec=3)
+    cache = make_cache(layout, rows=1, cols=4, seed=11)
+    step = Step([2], torch.tensor([1, 1, 3], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32),
+                torch.tensor([1, 1, 3], dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    return cache, step
+
+
+@pytest.mark.pairs(*ON_025)
+@pytest.mark.parametrize("dim_first", [False, True])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param("vllm", marks=pytest.mark.xfail(strict=True, reason="vLLM 0.25's V2 race: in place, no out buffer")),
+        pytest.param("vllm_caller_our_kernel", marks=pytest.mark.xfail(strict=True, reason="the caller is the race")),
+        "patched",
+    ],
+)
+def test_v2_race(path, dim_first, request):
+    from vllm.v1.worker import mamba_utils
+
+    cache, step = race_case(dim_first)
+    expected_pages, expected_out = reference(cache, step)
+    assert expected_out.tolist() == [1, 1, 1]
+    if path != "vllm":
+        request.getfixturevalue("installed")
+        if path == "vllm_caller_our_kernel":
+            original = mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align.__wrapped__
+            request.getfixturevalue("monkeypatch").setattr(
+                mamba_utils.MambaSpecDecodeGPUContext, "run_fused_postprocess_align", original
+            )
+    with conv_layout(dim_first):
+        out = run_v2(vllm_context(cache, max_reqs=3), step)
+    assert_same(cache, expected_pages, out, expected_out)
