@@ -2,11 +2,13 @@
 
 ``import ascend_layerwise_patch`` activates every patch whose vLLM / vllm-ascend range matches
 what is installed: it registers post-import hooks and imports neither torch, vLLM nor
-vllm-ascend. vLLM processes get the same through the ``vllm.general_plugins`` entry point
+vllm-ascend (when vLLM is not imported yet, activation itself runs the moment it starts to be). vLLM processes get the same through the ``vllm.general_plugins`` entry point
 ``ascend_layerwise_patch`` (see :mod:`ascend_layerwise_patch.plugin`).
 """
 
 from __future__ import annotations
+
+import sys
 
 from .patches import SPECS
 from .registry import PatchError, PatchSpec, PatchStatus, Registry
@@ -31,4 +33,23 @@ def status() -> list[PatchStatus]:
     return REGISTRY.status()
 
 
-activate()
+class _ActivateBeforeVLLM:
+    """Meta-path entry that activates the registry when vLLM (or vllm-ascend) starts importing.
+
+    Activation needs wrapt, package metadata and ``packaging``; deferring it to that moment keeps
+    ``import ascend_layerwise_patch`` to a few milliseconds while still registering every hook
+    before the first target module can load. It finds nothing itself and removes itself first.
+    """
+
+    def find_spec(self, name, path=None, target=None):
+        if name in ("vllm", "vllm_ascend"):
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+                activate()
+        return None
+
+
+if "vllm" in sys.modules or "vllm_ascend" in sys.modules:
+    activate()
+else:
+    sys.meta_path.insert(0, _ActivateBeforeVLLM())

@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import os
 import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
-import wrapt
+from typing import Any, NamedTuple
 
 from . import versions as _versions
 
@@ -62,8 +58,7 @@ class PatchError(RuntimeError):
     """Raised in strict mode when a patch that is in range cannot be applied."""
 
 
-@dataclass(frozen=True)
-class PatchSpec:
+class PatchSpec(NamedTuple):
     """One patch, declared as data.
 
     ``target`` and each alias are ``"package.module:Qualified.name"``. ``factory(original)``
@@ -97,29 +92,40 @@ class PatchSpec:
         return self.target.partition(":")[2]
 
 
-@dataclass
 class PatchStatus:
-    name: str
-    group: str
-    target: str
-    state: str
-    reason: str = ""
-    versions: dict[str, str | None] = field(default_factory=dict)
-    ranges: dict[str, str | None] = field(default_factory=dict)
-    aliases: list[str] = field(default_factory=list)
+    """One patch's state in this process (``state`` is one of the constants above)."""
+
+    __slots__ = ("name", "group", "target", "state", "reason", "versions", "ranges", "aliases")
+
+    def __init__(self, name, group, target, state, reason="", versions=None, ranges=None, aliases=None):
+        self.name, self.group, self.target, self.state, self.reason = name, group, target, state, reason
+        self.versions: dict[str, str | None] = dict(versions or {})
+        self.ranges: dict[str, str | None] = dict(ranges or {})
+        self.aliases: list[str] = list(aliases or [])
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {key: getattr(self, key) for key in self.__slots__}
+
+    def __repr__(self) -> str:
+        return f"PatchStatus({self.name!r}, {self.state!r}, {self.reason!r})"
 
 
-@dataclass
-class _Installed:
+class _Installed(NamedTuple):
     """Book-keeping for one place we replaced: enough to undo it exactly."""
 
     parent: Any
     attribute: str
     original: Any
     defined_here: bool
+
+
+def _wrapt():
+    """wrapt, imported on first use: it pulls in asyncio and importlib.metadata (~35 ms in a
+    fresh interpreter), which vLLM imports anyway but a bare ``import ascend_layerwise_patch``
+    should not pay for."""
+    import wrapt
+
+    return wrapt
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -158,12 +164,14 @@ def _is_false(value: str | None) -> bool:
     return (value or "").strip().lower() in {"0", "false", "no", "off"}
 
 
-def logger() -> logging.Logger:
+def logger():
     """vLLM's logger once vLLM's logging is set up in this process, else the standard one."""
     vllm_logger = sys.modules.get("vllm.logger")
     init = getattr(vllm_logger, "init_logger", None)
     if init is not None:
         return init(LOGGER_NAME)
+    import logging
+
     return logging.getLogger(LOGGER_NAME)
 
 
@@ -188,7 +196,7 @@ class Registry:
         self._versions: dict[str, _versions.Installed] = {}
         self._status: dict[str, PatchStatus] = {
             s.name: PatchStatus(
-                s.name, s.group, s.target, PENDING, "not activated", ranges={"vllm": s.vllm, "vllm_ascend": s.vllm_ascend}
+                s.name, s.group, s.target, PENDING, "not activated yet (activation runs when vLLM is imported)", ranges={"vllm": s.vllm, "vllm_ascend": s.vllm_ascend}
             )
             for s in self.specs
         }
@@ -205,12 +213,7 @@ class Registry:
 
     def status(self) -> list[PatchStatus]:
         with self._lock:
-            return [
-                PatchStatus(
-                    **{**st.as_dict(), "aliases": list(st.aliases), "versions": dict(st.versions), "ranges": dict(st.ranges)}
-                )
-                for st in self._status.values()
-            ]
+            return [PatchStatus(**st.as_dict()) for st in self._status.values()]
 
     @property
     def active(self) -> bool:
@@ -343,7 +346,7 @@ class Registry:
                 self._on_import(ready)
             return
         self._hooked.add(module)
-        wrapt.register_post_import_hook(self._on_import, module)
+        _wrapt().register_post_import_hook(self._on_import, module)
 
     def _on_import(self, module: types.ModuleType) -> None:
         failed: list[PatchStatus] = []
@@ -387,7 +390,7 @@ class Registry:
             except Exception as exc:  # noqa: BLE001
                 return self._fail(group, specs, spec, f"importing {spec.module} raised {exc!r}")
             try:
-                parent, attribute, current = wrapt.resolve_path(module, spec.qualname)
+                parent, attribute, current = _wrapt().resolve_path(module, spec.qualname)
             except Exception as exc:  # noqa: BLE001 - any failure to reach the target is drift
                 return self._fail(group, specs, spec, f"target not found: {exc}")
             if getattr(current, MARKER, None) == spec.name:
@@ -430,7 +433,7 @@ class Registry:
                 except (AttributeError, TypeError) as exc:
                     raise TypeError(f"cannot tag the replacement for {spec.target}: {exc}") from exc
                 inst = _Installed(parent, attribute, current, _defined_here(parent, attribute))
-                wrapt.apply_patch(parent, attribute, replacement)
+                _wrapt().apply_patch(parent, attribute, replacement)
                 self._installed[spec.name] = inst
                 self._replacement[spec.name] = replacement
                 done.append(spec)
@@ -475,12 +478,12 @@ class Registry:
                 if module is None:
                     continue
                 try:
-                    parent, attribute, current = wrapt.resolve_path(module, qual)
+                    parent, attribute, current = _wrapt().resolve_path(module, qual)
                 except Exception:  # noqa: BLE001 - the copy does not exist in this version
                     continue
                 if current is original:
                     place = _Installed(parent, attribute, original, _defined_here(parent, attribute))
-                    wrapt.apply_patch(parent, attribute, ours)
+                    _wrapt().apply_patch(parent, attribute, ours)
                     self._aliases[(spec.name, alias)] = place
                 if current is original or current is ours:
                     aliases = self._status[spec.name].aliases
@@ -494,11 +497,11 @@ class Registry:
             if module is None:
                 continue
             try:
-                parent, attribute, current = wrapt.resolve_path(module, _split(alias)[1])
+                parent, attribute, current = _wrapt().resolve_path(module, _split(alias)[1])
             except Exception:  # noqa: BLE001
                 continue
             if current is ours:
-                wrapt.apply_patch(parent, attribute, original)
+                _wrapt().apply_patch(parent, attribute, original)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -522,7 +525,7 @@ class Registry:
 
     def _schedule_summary(self) -> None:
         if self._versions.get("vllm") and self._versions["vllm"].raw is not None:
-            wrapt.when_imported("vllm.logger")(lambda _module: self.log_summary())
+            _wrapt().when_imported("vllm.logger")(lambda _module: self.log_summary())
         else:
             self.log_summary()
 

@@ -14,32 +14,30 @@ drifted is refused by that check rather than by the version number.
 
 from __future__ import annotations
 
-import importlib.metadata
-from dataclasses import dataclass
-
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
+from typing import NamedTuple
 
 #: distribution name -> short key used in specs and status records
 DISTRIBUTIONS = {"vllm": "vllm", "vllm-ascend": "vllm_ascend"}
 
 
-@dataclass(frozen=True)
-class Installed:
+class Installed(NamedTuple):
     """The detected version of one distribution (``raw`` is ``None`` when absent)."""
 
     dist: str
     raw: str | None
 
     @property
-    def base(self) -> Version | None:
+    def base(self):
         return base_release(self.raw)
 
     def __str__(self) -> str:
         return self.raw if self.raw is not None else "not installed"
 
 
-def base_release(raw: str | None) -> Version | None:
+def base_release(raw: str | None):
+    """``packaging.version.Version`` of the base release, or ``None`` (absent or not PEP 440)."""
+    from packaging.version import InvalidVersion, Version  # lazy: kept off the import path
+
     if raw is None:
         return None
     try:
@@ -49,6 +47,8 @@ def base_release(raw: str | None) -> Version | None:
 
 
 def installed(dist: str) -> Installed:
+    import importlib.metadata  # lazy: kept off the import path
+
     try:
         return Installed(dist, importlib.metadata.version(dist))
     except importlib.metadata.PackageNotFoundError:
@@ -62,6 +62,8 @@ def detect() -> dict[str, Installed]:
 
 def in_range(inst: Installed, spec: str) -> tuple[bool, str]:
     """Whether ``inst`` satisfies the PEP 440 ``spec`` on its base release, and why not."""
+    from packaging.specifiers import SpecifierSet
+
     base = inst.base
     if inst.raw is None:
         return False, f"{inst.dist} is not installed"

@@ -18,7 +18,6 @@ Removal  When vllm-ascend's helpers check ``has_connector_metadata()`` themselve
 from __future__ import annotations
 
 import functools
-import inspect
 
 from ..registry import PatchSpec
 
@@ -36,23 +35,36 @@ COPIED_INTO = (
     "vllm_ascend._310p.ops.fla.gdn_310",
 )
 
-_NEEDED_GLOBALS = ("has_kv_transfer_group", "get_kv_transfer_group", "is_v1_kv_transfer_group")
+#: the transfer-group state module, read directly on the hot path (see ``guard``)
+STATE = "vllm.distributed.kv_transfer.kv_transfer_state"
 
 
 def _expects(params: list[str]):
     def check(original) -> str | None:
+        import importlib
+        import inspect
+
         got = list(inspect.signature(original).parameters)
         if got != params:
             return f"parameters are {got}, expected {params}"
-        missing = [n for n in _NEEDED_GLOBALS if n not in getattr(original, "__globals__", {})]
-        if missing:
-            return f"{original.__module__} no longer imports {', '.join(missing)}"
+        has_group = getattr(original, "__globals__", {}).get("has_kv_transfer_group")
+        if getattr(has_group, "__module__", None) != STATE:
+            return f"{original.__module__} no longer takes has_kv_transfer_group from {STATE}"
+        state = importlib.import_module(STATE)
+        if not hasattr(state, "_KV_CONNECTOR_AGENT"):
+            return f"{STATE} no longer keeps the transfer group in _KV_CONNECTOR_AGENT"
+        base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.base")
+        v1 = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base").KVConnectorBase_V1
+        if base.KVConnectorBaseType is not v1 or not callable(getattr(v1, "has_connector_metadata", None)):
+            return "connectors are no longer all KVConnectorBase_V1 with has_connector_metadata()"
         return None
 
     return check
 
 
 def _already_guarded(original) -> str | None:
+    import inspect
+
     try:
         source = inspect.getsource(original)
     except (OSError, TypeError):
@@ -63,19 +75,36 @@ def _already_guarded(original) -> str | None:
 
 
 def guard(original):
-    """The guarded helper: calls ``original`` only when a V1 connector has metadata bound."""
-    g = original.__globals__
-    has_group = g["has_kv_transfer_group"]
-    get_group = g["get_kv_transfer_group"]
-    is_v1 = g["is_v1_kv_transfer_group"]
+    """The guarded helper: calls ``original`` only when the connector has metadata bound.
 
-    @functools.wraps(original)
-    def guarded(*args, **kwargs):
-        if has_group() and is_v1() and get_group().has_connector_metadata():
-            return original(*args, **kwargs)
-        return None
+    Hot path (once per layer per step): it reads the transfer group straight from vLLM's state
+    module instead of calling has/is_v1/get (the precondition checks that this is where vLLM keeps
+    it, and that every connector type of this vLLM is a ``KVConnectorBase_V1``), and takes the
+    exact parameters of the original rather than ``*args`` -- a no-connector call then costs about
+    what the original's own first check costs, since the original is not called at all.
+    """
+    import importlib
 
-    return guarded
+    state = importlib.import_module(STATE)
+    params = list(original.__code__.co_varnames[: original.__code__.co_argcount])
+
+    if params == ["layer_name"]:
+
+        def guarded(layer_name):
+            agent = state._KV_CONNECTOR_AGENT
+            if agent is not None and agent.has_connector_metadata():
+                return original(layer_name)
+            return None
+
+    else:
+
+        def guarded(layer_name, kv_cache_layer):
+            agent = state._KV_CONNECTOR_AGENT
+            if agent is not None and agent.has_connector_metadata():
+                return original(layer_name, kv_cache_layer)
+            return None
+
+    return functools.wraps(original)(guarded)
 
 
 def _spec(name: str, params: list[str]) -> PatchSpec:

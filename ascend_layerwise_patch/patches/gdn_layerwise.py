@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 
 from ..registry import PatchSpec
 
@@ -46,6 +45,8 @@ QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedD
 
 
 def _precondition(original) -> str | None:
+    import inspect
+
     got = list(inspect.signature(original).parameters)
     if got != PARAMS:
         return f"_forward_core parameters are {got}, expected {PARAMS}"
@@ -62,6 +63,8 @@ def _precondition(original) -> str | None:
 
 
 def _fixed_upstream(original) -> str | None:
+    import inspect
+
     if "wait_for_kv_layer_from_connector" in inspect.getsource(original):
         return "_forward_core already waits for its layer"
     return None
