@@ -267,3 +267,11 @@ def test_check_command_exit_code_and_json():
         assert states["guard_wait"] == "applied" and states["gdn_layerwise"] == "skipped"
     else:
         assert set(states.values()) == {"skipped"}
+
+
+@pytest.mark.pairs(*IN_RANGE)
+def test_one_summary_line_through_vllms_logger():
+    proc = run_python(STANDINS + "import ascend_layerwise_patch\nimport vllm_ascend.attention.utils\n")
+    lines = [line for line in proc.stdout.splitlines() if "ascend_layerwise_patch [vllm " in line]
+    assert len(lines) == 1, proc.stdout
+    assert lines[0].startswith("INFO ") and "[registry.py:" in lines[0]  # vLLM's format, vLLM's handler
