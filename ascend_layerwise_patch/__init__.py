@@ -45,11 +45,22 @@ class _ActivateBeforeVLLM:
         if name in ("vllm", "vllm_ascend"):
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-                activate()
+                _activate_on_import()
         return None
 
 
+def _activate_on_import() -> None:
+    """The import itself never raises (vLLM's plugin loader would only log it and go on
+    unpatched); in strict mode the plugin function and explicit ``activate()`` calls raise."""
+    try:
+        activate()
+    except PatchError as exc:
+        from .registry import logger
+
+        logger().error("ascend_layerwise_patch: strict mode: %s", exc)
+
+
 if "vllm" in sys.modules or "vllm_ascend" in sys.modules:
-    activate()
+    _activate_on_import()
 else:
     sys.meta_path.insert(0, _ActivateBeforeVLLM())

@@ -222,13 +222,14 @@ class Registry:
     def activate(self, environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
         """Hook every in-range group; apply at once those whose modules are already imported.
 
-        A second call while active changes nothing. Raises :class:`PatchError` only in strict
-        mode (``ASCEND_LAYERWISE_PATCH_STRICT=1``), for an in-range group that failed.
+        A second call while active changes nothing. In strict mode
+        (``ASCEND_LAYERWISE_PATCH_STRICT=1``) every call raises :class:`PatchError` while an
+        in-range group has failed -- so vLLM's plugin call aborts start-up, as asked.
         """
         env = os.environ if environ is None else environ
         with self._lock:
             if self._active:
-                logger().debug("ascend_layerwise_patch: already active; nothing to do")
+                self._raise_if_strict(self._status.values(), env)
                 return self.status()
             self._active = True
             self._strict = _is_true(env.get(ENV_STRICT))
@@ -271,10 +272,16 @@ class Registry:
             finally:
                 self._late = False
             self._schedule_summary()
-            failures = [st for st in self._status.values() if st.state == FAILED]
-        if failures and self._strict:
-            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
+            self._raise_if_strict(self._status.values(), env)
         return self.status()
+
+    @staticmethod
+    def _raise_if_strict(statuses: Iterable[PatchStatus], env: Mapping[str, str]) -> None:
+        if not _is_true(env.get(ENV_STRICT)):
+            return
+        failures = [st for st in statuses if st.state == FAILED]
+        if failures:
+            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
 
     def apply_pending(self) -> list[PatchStatus]:
         """Import the targets of every pending group now and apply them (used by ``check``)."""

@@ -230,14 +230,20 @@ report(wait=ours(u.wait_for_kv_layer_from_connector), guard_wait=st["guard_wait"
 
 
 @pytest.mark.pairs(*IN_RANGE)
-def test_strict_mode_raises_and_plugin_propagates_it():
-    proc = run_python(
-        STANDINS + DRIFT + "import ascend_layerwise_patch\n",
-        env={"ASCEND_LAYERWISE_PATCH_STRICT": "1"},
-        check=False,
+@pytest.mark.parametrize("how", ["plugin", "activate"])
+def test_strict_mode_raises_through_the_plugin_and_activate(how):
+    call = "from vllm.plugins import load_general_plugins\nload_general_plugins()\n" if how == "plugin" else (
+        "import ascend_layerwise_patch\nascend_layerwise_patch.activate()\n"
     )
+    proc = run_python(STANDINS + DRIFT + call, env={"ASCEND_LAYERWISE_PATCH_STRICT": "1"}, check=False)
     assert proc.returncode != 0
     assert "PatchError" in proc.stderr and "guard_save" in proc.stderr
+
+
+@pytest.mark.pairs(*IN_RANGE)
+def test_without_strict_mode_the_plugin_logs_and_vllm_goes_on():
+    proc = run_python(STANDINS + DRIFT + "from vllm.plugins import load_general_plugins\nload_general_plugins()\n")
+    assert "group connector_guards left unpatched: guard_save" in proc.stdout
 
 
 @pytest.mark.pairs(*IN_RANGE)
