@@ -363,25 +363,30 @@ class Registry:
             name = module.__name__
             for group, specs in self.groups().items():
                 if any(spec.module == name for spec in specs):
-                    failed += self._apply_if_pending(group, specs)
+                    failed += self._apply_if_pending(group, specs, name)
             self._sync_aliases()
         if failed and self._strict:
             raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failed))
 
-    def _apply_if_pending(self, group: str, specs: list[PatchSpec]) -> list[PatchStatus]:
+    def _apply_if_pending(self, group: str, specs: list[PatchSpec], just_imported: str | None = None) -> list[PatchStatus]:
         # _applying: a sibling module imported while this group resolves its targets re-enters here
         if group in self._applying or any(self._status[s.name].state != PENDING for s in specs):
             return []
         self._applying.add(group)
         try:
-            return self._apply_group(group, specs)
+            return self._apply_group(group, specs, just_imported)
         finally:
             self._applying.discard(group)
 
-    def _apply_group(self, group: str, specs: list[PatchSpec]) -> list[PatchStatus]:
+    def _apply_group(self, group: str, specs: list[PatchSpec], just_imported: str | None) -> list[PatchStatus]:
         plan: list[tuple[PatchSpec, Any, str, Any]] = []
         fixed: list[tuple[PatchSpec, str]] = []
         for spec in specs:
+            if spec.module != just_imported and spec.module in sys.modules and _module_ready(spec.module) is None:
+                # A sibling target module is still executing (it imported the module whose hook
+                # brought us here): stay pending; its own post-import hook retries the group.
+                # (The module whose hook runs is itself still flagged as initializing.)
+                return []
             try:
                 if importlib.util.find_spec(spec.module) is None:  # imports the parent packages
                     return self._fail(group, specs, spec, f"target moved: no module {spec.module}")

@@ -28,10 +28,31 @@ imports nothing heavy at import time (factories import their targets' neighbours
             forward is Dynamo-traced with fullgraph=True).
    Upstream: not fixed in vllm-ascend 0.25.1rc1.
    Remove:  when vllm-ascend's _forward_core waits itself (detected: the patch then skips itself).
+
+** mamba_lifetime ** (``mamba_lifetime.py``)
+   Target:  ascend_store.pool_scheduler.KVPoolScheduler.touch_sending_mamba_blocks (scheduler
+            half); ascend_store.pool_worker.KVPoolWorker.{start_load_kv, save_kv_layer,
+            build_connector_worker_meta} and _handle_request of KVCacheStoreLayerSendingThread /
+            KVCacheStoreKeyLayerSendingThread (worker half; reached through pool_worker's names).
+   Why:     hybrid models touch mamba blocks under a send event, but in layerwise mode no worker
+            ever reports the event, so every touched block leaks. Skipping the touch (the seed
+            change) lets a send that outlived save_kv_layer's 10 s wait read blocks already given
+            to another request. Full-attention blocks are freed at once in layerwise mode and have
+            the same exposure after a save timeout.
+   How:     the scheduler touches mamba blocks and, by default, the full-attention blocks the step
+            may save, under one event; each worker queues a release marker behind its step's last
+            layer on the sending thread's FIFO; the thread reaching it marks the events completed,
+            build_connector_worker_meta reports them, and update_connector_output frees them once
+            every worker has. A raising copy's task list is cleared so it is not re-sent. The six
+            specs apply together or not at all. ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION=0
+            holds mamba blocks only (full attention is then exposed after a save timeout).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 (leaks); the seed change trades the leak for the race.
+   Remove:  when vllm-ascend's layer sending thread reports completed events (detected: the whole
+            group then skips itself).
 """
 
 from __future__ import annotations
 
-from . import connector_guards, gdn_layerwise
+from . import connector_guards, gdn_layerwise, mamba_lifetime
 
-SPECS = (*connector_guards.SPECS, *gdn_layerwise.SPECS)
+SPECS = (*connector_guards.SPECS, *gdn_layerwise.SPECS, *mamba_lifetime.SPECS)

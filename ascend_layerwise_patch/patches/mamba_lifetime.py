@@ -5,7 +5,8 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
          pool_worker.KVPoolWorker.start_load_kv, .save_kv_layer,
          .build_connector_worker_meta                                      (worker half)
          kv_transfer.KVCacheStoreLayerSendingThread._handle_request,
-         kv_transfer.KVCacheStoreKeyLayerSendingThread._handle_request     (worker half)
+         kv_transfer.KVCacheStoreKeyLayerSendingThread._handle_request     (worker half;
+         both reached as pool_worker's names for these classes)
 Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases)
 Why      For hybrid models the scheduler gives every saving request's mamba blocks an extra
          reference under a new ``event_id`` and frees them once every worker reports that event in
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import os
 import threading
 
@@ -214,6 +214,8 @@ def make_handle_request(original):
 
 # ----------------------------------------------------------------------------- checks on targets
 def _source(obj) -> str:
+    import inspect  # lazy: kept off the import path
+
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):
@@ -222,6 +224,8 @@ def _source(obj) -> str:
 
 def _expects(params: list[str], *, needs: tuple[str, ...] = (), globals_: tuple[str, ...] = ()):
     def check(original) -> str | None:
+        import inspect
+
         got = list(inspect.signature(original).parameters)
         if got != params:
             return f"{original.__qualname__} parameters are {got}, expected {params}"
@@ -257,9 +261,19 @@ def _upstream_reports_layerwise(_original) -> str | None:
     """Skip the whole group once vllm-ascend's layer sending thread reports completed events."""
     kv_transfer = importlib.import_module(f"{STORE}.kv_transfer")
     thread = getattr(kv_transfer, "KVCacheStoreLayerSendingThread", None)
-    if thread is not None and ("completed_events" in vars(thread) or "get_completed_events" in vars(thread)):
+    if thread is not None and "completed_events" in _source(thread):
         return "KVCacheStoreLayerSendingThread reports completed events itself"
     return None
+
+
+def _with_risk(check):
+    """A failed check says what stays unfixed (the registry shows it in ``status()``)."""
+
+    def checked(original) -> str | None:
+        problem = check(original)
+        return f"{problem}; {RISK}" if problem else None
+
+    return checked
 
 
 def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
@@ -268,15 +282,19 @@ def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
         group=GROUP,
         target=f"{STORE}.{target}",
         factory=factory,
-        why="hold the blocks a layerwise send reads until it is done, then release them: " + RISK + " otherwise",
+        why="layerwise sends hold the blocks they read (mamba and full attention) until the sending "
+        "thread is done with them, then release them",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=precondition,
+        precondition=_with_risk(precondition),
         fixed_upstream=_upstream_reports_layerwise,
     )
 
 
 _TASKS = ["self", "transfer_tasks"]
+# The thread classes are reached through pool_worker's names for them (the same class objects as
+# kv_transfer's): pool_worker imports kv_transfer, so a target *in* kv_transfer would have this group
+# resolve while pool_worker is still half-imported whenever pool_worker is the first one imported.
 
 SPECS = (
     _spec(
@@ -299,13 +317,13 @@ SPECS = (
     ),
     _spec(
         "mamba_thread_marker",
-        "kv_transfer:KVCacheStoreLayerSendingThread._handle_request",
+        "pool_worker:KVCacheStoreLayerSendingThread._handle_request",
         make_handle_request,
         _expects(_TASKS, needs=("request_queue.task_done",)),
     ),
     _spec(
         "mamba_key_thread_marker",
-        "kv_transfer:KVCacheStoreKeyLayerSendingThread._handle_request",
+        "pool_worker:KVCacheStoreKeyLayerSendingThread._handle_request",
         make_handle_request,
         _expects(_TASKS, needs=("request_queue.task_done",)),
     ),

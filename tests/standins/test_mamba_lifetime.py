@@ -16,9 +16,15 @@ import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import mamba_lifetime
 from ascend_layerwise_patch.registry import APPLIED, FAILED, MARKER, Registry
 
-from harness_pool import ATTN, MAMBA, Harness
+from support import PAIR, ROOT, run_python
 
-pytestmark = pytest.mark.pairs("v0251", "v0250")
+PAIRS = ("v0251", "v0250")
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+from harness_pool import ATTN, MAMBA, Harness  # noqa: E402  (imports vllm-ascend's ascend_store)
+
+pytestmark = pytest.mark.pairs(*PAIRS)
 
 _OUR_NAMES = {s.name for s in mamba_lifetime.SPECS}
 _local: Registry | None = None
@@ -199,23 +205,45 @@ def test_env_knob_parsing():
     assert mamba_lifetime._hold_attention({mamba_lifetime.ENV_HOLD_ATTENTION: "1"}) is True
 
 
+def _replace(spec, **changes):
+    return spec._replace(**changes) if hasattr(spec, "_replace") else dataclasses.replace(spec, **changes)
+
+
 def test_group_is_all_or_nothing(unpatched):
     """A drifted worker target leaves the scheduler half unapplied too, and says what risk remains."""
-    drifted = tuple(
-        dataclasses.replace(s, precondition=lambda _o: "drifted in this test")
-        if s.name == "mamba_worker_release"
-        else s
-        for s in mamba_lifetime.SPECS
-    )
+    drift = mamba_lifetime._with_risk(lambda _o: "drifted in this test")
+    drifted = tuple(_replace(s, precondition=drift) if s.name == "mamba_worker_release" else s for s in mamba_lifetime.SPECS)
     reg = Registry(drifted)
     try:
         reg.activate(environ={})
         states = {st.name: (st.state, st.reason) for st in reg.status()}
-        assert {s for s, _ in states.values()} == {FAILED}, states
-        assert not any(hasattr(t, MARKER) for t in _targets())
-        assert mamba_lifetime.RISK in mamba_lifetime.SPECS[0].why
     finally:
         reg.revert()
+    assert {state for state, _ in states.values()} == {FAILED}, states
+    assert states["mamba_worker_release"][1].endswith(mamba_lifetime.RISK)
+    assert not any(hasattr(t, MARKER) for t in _targets())
+    # the real precondition names the risk too
+    check = {s.name: s for s in mamba_lifetime.SPECS}["mamba_worker_release"].precondition
+    assert check(lambda self, other: None).endswith(mamba_lifetime.RISK)
+
+
+def test_applies_whichever_module_comes_first():
+    """pool_worker imports kv_transfer: importing pool_worker first must not half-resolve the group."""
+    proc = run_python(
+        f"""
+        import importlib.util, json
+        _s = importlib.util.spec_from_file_location("_s", r"{ROOT / 'ascend_layerwise_patch' / 'cpu_standins.py'}")
+        _m = importlib.util.module_from_spec(_s); _s.loader.exec_module(_m); _m.install()
+        from ascend_layerwise_patch.patches import mamba_lifetime
+        from ascend_layerwise_patch.registry import Registry
+        reg = Registry(mamba_lifetime.SPECS)
+        reg.activate({{}})
+        import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker
+        print("RESULT " + json.dumps({{st.name: st.state for st in reg.status()}}))
+        """
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    assert set(__import__("json").loads(line[7:]).values()) == {APPLIED}, line
 
 
 # ------------------------------------------------------------------------------ randomized
