@@ -28,9 +28,11 @@ Design, and why it suits triton-ascend as well as a GPU:
 * **Grid (states, pieces, request blocks)**, not vLLM's (requests, states). Each program loads the
   decision inputs of up to ``REQ_BLOCK`` (128) requests as vectors -- one round of memory latency
   instead of one per request -- and then walks only the requests that copy. The grid no longer
-  grows with the batch: 72 states x 16 pieces = 1152 programs for a Qwen3-Next step of up to 128
-  requests, against vLLM's 9216 mostly idle ones. An NPU runs a grid as rounds over its few dozen
-  vector cores, and triton-ascend caps a grid at 65535 programs; this grid is small and stays so.
+  grows with the batch: 72 states x 16 pieces = 1152 programs on an H200 for a Qwen3-Next step
+  of up to 128 requests, against vLLM's 9216 mostly idle ones. An NPU runs a grid in rounds over
+  its few dozen vector cores (triton-ascend's guide sizes grids by the core count): there the
+  piece count comes out at 8 (48 cores), so the grid is a small multiple of the cores, whatever
+  the batch.
 * **Pieces.** Every (request, state) copy is cut into ``num_programs(1)`` pieces, one per program:
   a 2 MiB temporal state is copied by 16 programs instead of one walking it 1 KiB at a time (the
   idea of vllm-ascend's later ``TEMPORAL_TILES``). The piece count is chosen at launch from the
@@ -41,10 +43,13 @@ Design, and why it suits triton-ascend as well as a GPU:
   int64 address is cast to a pointer once per region, outside the copy loop (triton-ascend's
   pointer analysis rejects a cast inside it; vllm-ascend hoists it for the same reason).
   ``tl.multiple_of`` is a compiler hint checked at run time first, not an intrinsic. No inline
-  assembly, no atomics, no CUDA-only intrinsics; tiles are 8 KiB, far below an NPU core's UB.
-* **Dim-first conv states** are copied as one 2-D tile of rows x row bytes (dim rows of a few
-  bytes each), with the rows split over the pieces: not row by row with a 1 KiB masked loop, and
-  not repeating the shift in every tile as vllm-ascend's ``TEMPORAL_TILES`` variant does.
+  assembly, no atomics, no CUDA-only intrinsics; tiles are 16 KiB (4 KiB for dim-first rows),
+  far below an NPU vector core's unified buffer.
+* **Dim-first conv states** (dim rows of a few bytes each) are copied as 2-D tiles of 256 rows x
+  16 bytes (as 4-, 2- or 1-byte elements, whichever the addresses allow), the rows split over the
+  pieces -- not row by row with a 1 KiB masked loop, and the shift applied once per row, not
+  repeated per tile as in vllm-ascend's ``TEMPORAL_TILES`` variant. With no shift and packed rows
+  the state is one contiguous span, copied as such.
 * **The in-place shift** (SD conv state, source block == destination block, bias > 0) is the one
   overlapping copy. Pieces of it would race, so one program does it, front to back, in steps no
   longer than the shift: no step reads what an earlier one wrote, and no step's read overlaps its
@@ -95,12 +100,11 @@ PARAMS = (
 _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
-COPY_BYTES = 8192  # bytes per copy step (one tile)
+COPY_BYTES = 16384  # bytes per copy step (one tile): 16 words of 8 bytes per thread of 4 warps
+DS_ROWS = 256  # rows of a dim-first tile (4 KiB); at 512 rows of bytes its 64-bit addresses spill
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
 MAX_PIECES = 32
 PROGRAMS_PER_CORE = 8
-PIECE_ALIGN = 256
-
 
 
 class _Placeholder:
@@ -131,13 +135,13 @@ def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
     aligned = (((src_addr | dst_addr) & 15) == 0) & ((nbytes & 7) == 0)
     if aligned:
         # Both ends 16-byte aligned (checked above, so the hint is true): 8-byte words.
-        src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
-        dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
-        _copy_tile_loop(src, dst, nbytes // 8, COPY_BYTES // 8)
+        src_words = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
+        dst_words = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
+        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8)
     else:
-        src = src_addr.to(tl.pointer_type(tl.uint8))
-        dst = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_tile_loop(src, dst, nbytes, COPY_BYTES)
+        src_bytes = src_addr.to(tl.pointer_type(tl.uint8))
+        dst_bytes = dst_addr.to(tl.pointer_type(tl.uint8))
+        _copy_tile_loop(src_bytes, dst_bytes, nbytes, COPY_BYTES)
 
 
 def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr):
@@ -164,8 +168,9 @@ def _shift_in_place(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
         tl.store(dst + i + lanes, tl.load(src + i + lanes, mask=mask), mask=mask)
 
 
-def _copy_rows(src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``row_bytes`` of each of ``rows`` rows (``row_stride`` apart); this program's rows only.
+def _copy_rows(src, dst, rows, row_stride, row_len, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``row_len`` elements of each of ``rows`` rows (``row_stride`` elements apart, typed
+    pointers); this program's share of the rows only.
 
     A row may overlap itself (the in-place shift of a dim-first conv state): a row lies in one
     tile, which is loaded whole before it is stored, and column steps go front to back.
@@ -173,16 +178,34 @@ def _copy_rows(src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, R
     per = (rows + pieces - 1) // pieces
     r_lo = piece * per
     r_hi = tl.minimum(rows, r_lo + per)
-    src = src_addr.to(tl.pointer_type(tl.uint8))
-    dst = dst_addr.to(tl.pointer_type(tl.uint8))
     r = tl.arange(0, ROWS)[:, None]
     c = tl.arange(0, COLS)[None, :]
     for r0 in range(r_lo, r_hi, ROWS):
         row = r0 + r
         offset = row.to(tl.int64) * row_stride + c
-        for c0 in range(0, row_bytes, COLS):
-            mask = (row < r_hi) & (c0 + c < row_bytes)
+        for c0 in range(0, row_len, COLS):
+            mask = (row < r_hi) & (c0 + c < row_len)
             tl.store(dst + offset + c0, tl.load(src + offset + c0, mask=mask), mask=mask)
+
+
+def _copy_row_span(
+    src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr
+):
+    """Rows of a dim-first state as 4- or 2-byte elements where every address and length allows
+    (a bf16 window shifted by an even number of tokens moves as int32), else as bytes."""
+    bits = src_addr | dst_addr | row_stride | row_bytes
+    if (bits & 3) == 0:
+        src4 = src_addr.to(tl.pointer_type(tl.int32))
+        dst4 = dst_addr.to(tl.pointer_type(tl.int32))
+        _copy_rows(src4, dst4, rows, row_stride // 4, row_bytes // 4, piece, pieces, ROWS, COLS // 4)
+    elif (bits & 1) == 0:
+        src2 = src_addr.to(tl.pointer_type(tl.int16))
+        dst2 = dst_addr.to(tl.pointer_type(tl.int16))
+        _copy_rows(src2, dst2, rows, row_stride // 2, row_bytes // 2, piece, pieces, ROWS, COLS // 2)
+    else:
+        src1 = src_addr.to(tl.pointer_type(tl.uint8))
+        dst1 = dst_addr.to(tl.pointer_type(tl.uint8))
+        _copy_rows(src1, dst1, rows, row_stride, row_bytes, piece, pieces, ROWS, COLS)
 
 
 def _postprocess_kernel(
@@ -283,7 +306,12 @@ def _postprocess_kernel(
             src = base + src_block * block_stride
             if CONV_STATE_DIM_FIRST:
                 row_bytes = (width - tok).to(tl.int64) * elem
-                _copy_rows(src + tok * elem, dst, dim_rows, row_stride, row_bytes, piece, pieces, DS_ROWS, DS_COLS)
+                if (tok == 0) & (row_bytes == row_stride):  # whole packed rows: one span
+                    _copy_piece(src, dst, dim_rows * row_stride, piece, pieces, COPY_BYTES)
+                else:
+                    _copy_row_span(
+                        src + tok * elem, dst, dim_rows, row_stride, row_bytes, piece, pieces, DS_ROWS, DS_COLS
+                    )
             else:
                 shift = tok.to(tl.int64) * inner * elem
                 nbytes = (width - tok).to(tl.int64) * inner * elem
@@ -297,7 +325,15 @@ def _postprocess_kernel(
             _copy_piece(base + src_block * block_stride, dst, inner * elem, piece, pieces, COPY_BYTES)
 
 
-_TRITON_FUNCTIONS = ("_copy_tile_loop", "_copy_bytes", "_copy_piece", "_shift_in_place", "_copy_rows", "_postprocess_kernel")
+_TRITON_FUNCTIONS = (
+    "_copy_tile_loop",
+    "_copy_bytes",
+    "_copy_piece",
+    "_shift_in_place",
+    "_copy_rows",
+    "_copy_row_span",
+    "_postprocess_kernel",
+)
 _lock = threading.Lock()
 _compiled: Any = None
 
@@ -353,15 +389,24 @@ class PostprocessKernel:
     """Drop-in for ``postprocess_mamba_fused_kernel``: ``kernel[grid](*23 params)`` launches ours.
 
     ``grid`` is the caller's ``(num_reqs, num_layers * num_state_types)``; only its second entry
-    (the number of states) and ``min(grid[0], num_reqs)`` are used. ``pieces``, ``copy_bytes``
-    and ``num_warps`` are tuning knobs (None: chosen per device / left to Triton).
+    (the number of states) and ``min(grid[0], num_reqs)`` are used. ``pieces``, ``copy_bytes``,
+    ``ds_rows`` and ``num_warps`` are tuning knobs (None: chosen per device / left to Triton);
+    the defaults are the best of a sweep on an H200 (scripts/bench_postprocess.py --sweep).
     """
 
     arg_names = PARAMS
 
-    def __init__(self, *, pieces: int | None = None, copy_bytes: int = COPY_BYTES, num_warps: int | None = None):
+    def __init__(
+        self,
+        *,
+        pieces: int | None = None,
+        copy_bytes: int = COPY_BYTES,
+        ds_rows: int = DS_ROWS,
+        num_warps: int | None = None,
+    ):
         self.pieces = pieces
         self.copy_bytes = copy_bytes
+        self.ds_rows = ds_rows
         self.num_warps = num_warps
 
     def __repr__(self) -> str:
@@ -400,7 +445,7 @@ class PostprocessKernel:
             PRECOMPUTED_NEW_COMPUTED=bool(a["PRECOMPUTED_NEW_COMPUTED"]),
             REQ_BLOCK=REQ_BLOCK,
             COPY_BYTES=self.copy_bytes,
-            DS_ROWS=self.copy_bytes // DS_COLS,
+            DS_ROWS=self.ds_rows,
             DS_COLS=DS_COLS,
             **extra,
         )

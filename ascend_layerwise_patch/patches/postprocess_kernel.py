@@ -34,7 +34,6 @@ Removal  When vllm-ascend's kernel takes the 23 parameters (detected: ``postproc
 from __future__ import annotations
 
 import functools
-import inspect
 
 from ..registry import PatchSpec
 
@@ -64,7 +63,14 @@ OLD_PARAMS = [
     "block_size",
     "COPY_BLOCK_SIZE",
 ]
-V2_PARAMS = ["self", "num_reqs", "num_accepted_tokens_gpu", "state_idx_gpu", "new_num_computed_tokens_gpu", "idx_mapping"]
+V2_PARAMS = [
+    "self",
+    "num_reqs",
+    "num_accepted_tokens_gpu",
+    "state_idx_gpu",
+    "new_num_computed_tokens_gpu",
+    "idx_mapping",
+]
 #: what the replacement V2 caller reads from the context (vLLM 0.25's MambaSpecDecodeGPUContext)
 V2_CONTEXT_FIELDS = (
     "is_initialized",
@@ -91,6 +97,8 @@ def kernel_params(kernel) -> list[str]:
     if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
         return list(names)
     fn = getattr(kernel, "fn", kernel)
+    import inspect  # lazy: kept off the import path
+
     return list(inspect.signature(fn).parameters)
 
 
@@ -108,6 +116,8 @@ def _ascend_has_new_signature(original) -> str | None:
 
 
 def _v2_caller_as_expected(original) -> str | None:
+    import inspect
+
     got = list(inspect.signature(original).parameters)
     if got != V2_PARAMS:
         return f"parameters are {got}, expected {V2_PARAMS}"
