@@ -119,5 +119,5 @@ def test_without_the_patch_the_dummy_step_moves_the_counter(plumbing):
         connector.clear_connector_metadata()
         calls = one_step(modules, connector, config, set_fc)
     finally:
-        alp.activate(environ={})
+        alp.activate()
     assert connector.current_layer == len(calls) > 0

@@ -175,6 +175,6 @@ def test_without_the_patch_gdn_layers_never_wait(stack):
         log = step()
     finally:
         connector.clear_connector_metadata()
-        alp.activate(environ={})
+        alp.activate()
     assert log != expected_sequence(layers, attn_name)
     assert log[:2] == [("compute", layers[0].prefix), ("save", "")]

@@ -27,17 +27,10 @@ from harness_pool import ATTN, MAMBA, Harness  # noqa: E402  (imports vllm-ascen
 pytestmark = pytest.mark.pairs(*PAIRS)
 
 _OUR_NAMES = {s.name for s in mamba_lifetime.SPECS}
-_local: Registry | None = None
 
 
 def _registry() -> Registry:
-    """The process registry once it carries this group, else a registry of this group alone."""
-    global _local
-    if _OUR_NAMES <= {s.name for s in ascend_layerwise_patch.REGISTRY.specs}:
-        return ascend_layerwise_patch.REGISTRY
-    if _local is None:
-        _local = Registry(mamba_lifetime.SPECS)
-    return _local
+    return ascend_layerwise_patch.REGISTRY
 
 
 def _targets():
@@ -54,11 +47,11 @@ def _targets():
 def patched():
     reg = _registry()
     reg.revert()
-    reg.activate(environ={})
+    reg.activate()
     states = {st.name: st.state for st in reg.status() if st.name in _OUR_NAMES}
     assert set(states.values()) == {APPLIED}, reg.status()
     yield
-    reg.activate(environ={})
+    reg.activate()
 
 
 @pytest.fixture
@@ -67,7 +60,7 @@ def unpatched():
     reg.revert()
     assert not any(hasattr(t, MARKER) for t in _targets())
     yield
-    reg.activate(environ={})
+    reg.activate()
 
 
 def _race(h: Harness) -> None:
@@ -215,7 +208,7 @@ def test_group_is_all_or_nothing(unpatched):
     drifted = tuple(_replace(s, precondition=drift) if s.name == "mamba_worker_release" else s for s in mamba_lifetime.SPECS)
     reg = Registry(drifted)
     try:
-        reg.activate(environ={})
+        reg.activate()
         states = {st.name: (st.state, st.reason) for st in reg.status()}
     finally:
         reg.revert()
