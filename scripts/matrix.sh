@@ -34,6 +34,19 @@ for pair in "${pairs[@]}"; do
   run "$pair interp" "$root/$pair/bin/python" tests/interp
 done
 
+# The benchmarks must keep running: tiny versions on the primary pair (numbers are not judged here).
+smoke() {
+  local name=$1; shift
+  echo "=== smoke: $name"
+  "$@" || failed+=("smoke: $name (exit $?)")
+}
+if [ -x "$root/v0251/bin/python" ]; then
+  smoke bench_hotpath "$root/v0251/bin/python" scripts/bench_hotpath.py --quick
+  # vLLM's and vllm-ascend's kernels come from their wheels into git-ignored .bench/ (read, never kept)
+  smoke "fetch reference kernels" "$root/v0251/bin/python" scripts/bench_postprocess.py fetch
+  smoke bench_postprocess env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_PLUGINS= "$root/v0251/bin/python" scripts/bench_postprocess.py --cpu-smoke
+fi
+
 echo "matrix: ${#pairs[@]} pairs in $(( $(date +%s) - start )) s"
 if [ ${#failed[@]} -ne 0 ]; then
   printf 'matrix: FAILED: %s\n' "${failed[@]}"
