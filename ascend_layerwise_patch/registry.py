@@ -422,18 +422,19 @@ class Registry:
                 continue
             if problem:
                 return self._fail(group, specs, spec, f"target changed: {problem}")
-            if self._late:
-                copies = _unknown_copies(current, spec)
-                if copies:
-                    return self._fail(
-                        group,
-                        specs,
-                        spec,
-                        "activated after the target was imported, and copies of the original that this "
-                        f"patch does not know of are held by {', '.join(copies)}; activate earlier "
-                        "(import ascend_layerwise_patch first, or use the vLLM plugin)",
-                    )
             plan.append((spec, parent, attribute, current))
+        if self._late and plan:
+            copies = _unknown_copies({id(current): spec for spec, _p, _a, current in plan})
+            if copies:
+                spec, names = copies
+                return self._fail(
+                    group,
+                    specs,
+                    spec,
+                    "activated after the target was imported, and copies of the original that this "
+                    f"patch does not know of are held by {', '.join(names)}; activate earlier "
+                    "(import ascend_layerwise_patch first, or use the vLLM plugin)",
+                )
 
         done: list[PatchSpec] = []
         try:
@@ -557,18 +558,23 @@ def _describe(obj: Any) -> str:
     return f"{module}.{qual}" if module else repr(obj)
 
 
-def _unknown_copies(original: Any, spec: PatchSpec) -> list[str]:
-    """Modules other than the target's and the declared aliases' that hold ``original`` by name."""
-    known = {spec.module} | {_split(a)[0] for a in spec.aliases}
-    found = []
+def _unknown_copies(originals: dict[int, PatchSpec]) -> tuple[PatchSpec, list[str]] | None:
+    """The first spec whose original is held by name in a module other than its target's and its
+    declared aliases', with those places; one pass over ``sys.modules`` for the whole group."""
+    found: dict[int, list[str]] = {}
+    wanted = set(originals)
     for name, module in list(sys.modules.items()):
-        if name in known or module is None:
+        values = getattr(module, "__dict__", None)
+        if values is None:
             continue
         try:
-            values = vars(module)
-        except TypeError:
-            continue
-        for attr, value in list(values.items()):
-            if value is original:
-                found.append(f"{name}.{attr}")
-    return found
+            hits = [(attr, id(v)) for attr, v in values.items() if id(v) in wanted]
+        except RuntimeError:  # the module's namespace changed while we read it: read a copy
+            hits = [(attr, id(v)) for attr, v in list(values.items()) if id(v) in wanted]
+        for attr, key in hits:
+            spec = originals[key]
+            if name != spec.module and name not in {_split(a)[0] for a in spec.aliases}:
+                found.setdefault(key, []).append(f"{name}.{attr}")
+    for key, names in found.items():
+        return originals[key], names
+    return None

@@ -213,6 +213,7 @@ def make_handle_request(original):
 
 
 # ----------------------------------------------------------------------------- checks on targets
+@functools.lru_cache(maxsize=64)  # each detector of the six specs reads the same class source
 def _source(obj) -> str:
     import inspect  # lazy: kept off the import path
 
