@@ -9,7 +9,8 @@ and reports ns per call, the ns added and the ratio:
   case), connector with metadata bound (the hot case), connector without metadata (dummy runs:
   here the patch *removes* the connector call, which is the point);
 - the GDN ``_forward_core`` entry: the replacement's own work (wait + fence + call) around an empty
-  core, against calling that empty core directly -- the real core runs NPU kernels.
+  core, against calling that empty core directly -- the real core runs NPU kernels -- and against
+  the same required calls written inline (the wrapper's own overhead).
 Also: ``import ascend_layerwise_patch`` time (fresh interpreters) and the time to apply every patch
 once the targets are imported.
 """
@@ -98,10 +99,13 @@ def main() -> int:
     layer = type("Layer", (), {"prefix": "model.layers.0.linear_attn"})()
     fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
 
+    state = importlib.import_module("vllm.distributed.kv_transfer.kv_transfer_state")
+
     def mandated(self, mixed_qkv, b, a, core_attn_out):
-        # the two calls the fix requires, made inline: what the entry costs at the very least
-        utils.wait_for_kv_layer_from_connector(self.prefix)
-        fence.record_attention_compute_start()
+        # the calls the fix requires, made inline: what the entry costs at the very least
+        if state._KV_CONNECTOR_AGENT is not None:
+            utils.wait_for_kv_layer_from_connector(self.prefix)
+            fence.record_attention_compute_start()
         return empty_core(self, mixed_qkv, b, a, core_attn_out)
 
     rows: list[dict] = []

@@ -178,3 +178,20 @@ def test_without_the_patch_gdn_layers_never_wait(stack):
         alp.activate()
     assert log != expected_sequence(layers, attn_name)
     assert log[:2] == [("compute", layers[0].prefix), ("save", "")]
+
+
+def test_no_connector_no_wait_no_fence(stack):
+    """Plain serving: no transfer group, so the entry adds neither call (and no lock)."""
+    gdn, layers, connector, config, _step, _attn = stack
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.forward_context import set_forward_context
+
+    connector.calls.clear()
+    kv_transfer_state._KV_CONNECTOR_AGENT = None
+    try:
+        with set_forward_context(None, config):
+            t = torch.zeros(1, 1)
+            assert layers[0]._forward_core(t, t, t, t) is None
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = connector
+    assert connector.calls == []
