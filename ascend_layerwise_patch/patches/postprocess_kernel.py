@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 
+from ..kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
 from ..registry import PatchSpec
 
 VLLM = ">=0.25.0,<0.26"
@@ -43,26 +44,17 @@ GROUP = "postprocess_kernel"
 ASCEND_KERNEL = "vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel"
 V2_CALLER = "vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align"
 
-#: vllm-ascend 0.25.1rc1's kernel: vLLM 0.23's parameter list.
-OLD_PARAMS = [
-    "num_accepted_tokens_ptr",
-    "mamba_state_idx_ptr",
-    "num_scheduled_tokens_ptr",
-    "num_computed_tokens_ptr",
-    "num_draft_tokens_ptr",
-    "block_table_ptrs_ptr",
-    "block_table_stride_req",
-    "state_base_addrs_ptr",
-    "state_block_strides_ptr",
-    "state_elem_sizes_ptr",
-    "state_inner_sizes_ptr",
-    "state_conv_widths_ptr",
-    "state_group_indices_ptr",
-    "num_accepted_tokens_out_ptr",
-    "num_reqs",
-    "block_size",
-    "COPY_BLOCK_SIZE",
-]
+#: what vLLM 0.25 added to the kernel's parameters (ours takes all of kernels.postprocess.PARAMS)
+NEW_IN_VLLM_025 = (
+    "state_dim_row_count_ptr",
+    "state_dim_row_stride_ptr",
+    "idx_mapping_ptr",
+    "CONV_STATE_DIM_FIRST",
+    "HAS_IDX_MAPPING",
+    "PRECOMPUTED_NEW_COMPUTED",
+)
+#: vllm-ascend 0.25.1rc1's kernel: vLLM 0.25's list without those six (vLLM 0.23's, 17 names).
+OLD_PARAMS = [p for p in PARAMS if p not in NEW_IN_VLLM_025]
 V2_PARAMS = [
     "self",
     "num_reqs",
