@@ -277,11 +277,8 @@ class Registry:
 
     @staticmethod
     def _raise_if_strict(statuses: Iterable[PatchStatus], env: Mapping[str, str]) -> None:
-        if not _is_true(env.get(ENV_STRICT)):
-            return
-        failures = [st for st in statuses if st.state == FAILED]
-        if failures:
-            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
+        if _is_true(env.get(ENV_STRICT)):
+            _raise_failures(statuses)
 
     def apply_pending(self) -> list[PatchStatus]:
         """Import the targets of every pending group now and apply them (used by ``check``)."""
@@ -291,8 +288,8 @@ class Registry:
                 for group, specs in self.groups().items():
                     failed += self._apply_if_pending(group, specs)
                 self._sync_aliases()
-        if failed and self._strict:
-            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failed))
+        if self._strict:
+            _raise_failures(failed)
         return self.status()
 
     def revert(self) -> list[PatchStatus]:
@@ -365,8 +362,8 @@ class Registry:
                 if any(spec.module == name for spec in specs):
                     failed += self._apply_if_pending(group, specs, name)
             self._sync_aliases()
-        if failed and self._strict:
-            raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failed))
+        if self._strict:
+            _raise_failures(failed)
 
     def _apply_if_pending(self, group: str, specs: list[PatchSpec], just_imported: str | None = None) -> list[PatchStatus]:
         # _applying: a sibling module imported while this group resolves its targets re-enters here
@@ -550,6 +547,13 @@ class Registry:
                 parts.append(st.name if st.state == APPLIED else f"{st.name}={st.state}({st.reason})")
             vers = ", ".join(f"{k} {v}" for k, v in self._versions.items())
         logger().info("ascend_layerwise_patch [%s]: %s", vers, "; ".join(parts))
+
+
+def _raise_failures(statuses: Iterable[PatchStatus]) -> None:
+    """Strict mode: one PatchError naming every failed patch and why."""
+    failures = [st for st in statuses if st.state == FAILED]
+    if failures:
+        raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
 
 
 def _describe(obj: Any) -> str:

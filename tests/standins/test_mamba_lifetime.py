@@ -6,7 +6,6 @@ KVCacheStoreLayerSendingThread; MemCache replaced by a backend that checks every
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -198,14 +197,10 @@ def test_env_knob_parsing():
     assert mamba_lifetime._hold_attention({mamba_lifetime.ENV_HOLD_ATTENTION: "1"}) is True
 
 
-def _replace(spec, **changes):
-    return spec._replace(**changes) if hasattr(spec, "_replace") else dataclasses.replace(spec, **changes)
-
-
 def test_group_is_all_or_nothing(unpatched):
     """A drifted worker target leaves the scheduler half unapplied too, and says what risk remains."""
     drift = mamba_lifetime._with_risk(lambda _o: "drifted in this test")
-    drifted = tuple(_replace(s, precondition=drift) if s.name == "mamba_worker_release" else s for s in mamba_lifetime.SPECS)
+    drifted = tuple(s._replace(precondition=drift) if s.name == "mamba_worker_release" else s for s in mamba_lifetime.SPECS)
     reg = Registry(drifted)
     try:
         reg.activate()
