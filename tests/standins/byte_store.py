@@ -121,6 +121,12 @@ class PoolService:
         for f in faults:
             f.gate.set()
 
+    def clear(self) -> None:
+        """Forget every key (an emptied / restarted pool); registered regions and faults stay."""
+        with self.lock:
+            self.blobs.clear()
+            self._by_index.clear()
+
     def ready_keys(self) -> list[str]:
         with self.lock:
             return [k for k, b in self.blobs.items() if b.state == "ready"]
