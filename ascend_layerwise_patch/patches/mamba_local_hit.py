@@ -1,0 +1,127 @@
+"""A local prefix hit keeps its mamba state when the KV pool is the connector.
+
+Target   vllm_ascend.patch.platform.patch_kv_cache_coordinator:
+         AscendHybridKVCacheCoordinator.find_longest_cache_hit_per_group; and
+         vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.bind_gpu_block_pool (to know
+         which scheduler's block pool the pool connector serves).
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26.
+Why      With a KV connector and mamba layers, vLLM 0.25's ``Scheduler.schedule`` takes the local
+         hit from ``coordinator.find_longest_cache_hit_per_group`` and uses the longest group's
+         length. vllm-ascend's process-wide coordinator skips every ``MambaSpec`` group there
+         ("the connector transfers Mamba state separately") -- true for a P/D connector that always
+         ships the state, false for the layerwise pool, which loads only what exceeds the local
+         hit. So on a plain local prefix hit of a pool-serving instance the mamba group gets no
+         cached block (``MambaManager`` pads with null blocks), the pool loads nothing, and every
+         GDN layer starts from the null block: wrong tokens, silently.
+How      For a coordinator whose block pool is bound to the AscendStore pool scheduler, the method
+         returns the joint hit over all groups exactly as vLLM's own local path computes it
+         (``find_longest_cache_hit``: the cached mamba block is in the block table, and if that
+         state was evicted the joint hit shrinks and the pool loads the rest), with that length
+         for every group. Every other coordinator -- no connector, or a connector that ships mamba
+         state itself -- keeps upstream's answer.
+         Recognising the connectors: only ``KVPoolScheduler`` (AscendStore's scheduler half, also
+         inside a MultiConnector) registers its block pool, in ``bind_gpu_block_pool`` (the
+         Scheduler binds the block pool of its own KVCacheManager). A P/D connector (Mooncake,
+         NIXL, ...) never does, so it keeps the skip it was written for. Registered pools are held
+         weakly.
+Removal  When vllm-ascend's coordinator no longer skips mamba groups for the pool (detected: the
+         group skips itself when the method no longer tests ``MambaSpec``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+from ..registry import PatchSpec
+
+VLLM = ">=0.25.0,<0.26"
+VLLM_ASCEND = ">=0.25.1,<0.26"
+COORDINATOR = "vllm_ascend.patch.platform.patch_kv_cache_coordinator:AscendHybridKVCacheCoordinator"
+POOL_SCHEDULER = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler:KVPoolScheduler"
+
+#: block pools whose scheduler's KV connector is the AscendStore pool (weakly held)
+POOL_BLOCK_POOLS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _params(fn) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
+
+
+def _coordinator_precondition(original) -> str | None:
+    import importlib
+
+    if _params(original) != ["self", "block_hashes", "max_cache_hit_length"]:
+        return f"find_longest_cache_hit_per_group parameters are {_params(original)}"
+    module, _, cls = COORDINATOR.partition(":")
+    coordinator = getattr(importlib.import_module(module), cls)
+    joint = getattr(coordinator, "find_longest_cache_hit", None)
+    if joint is None or _params(joint)[:3] != ["self", "block_hashes", "max_cache_hit_length"]:
+        return "AscendHybridKVCacheCoordinator.find_longest_cache_hit is gone or changed"
+    return None
+
+
+def _coordinator_fixed(original) -> str | None:
+    import inspect
+
+    if "MambaSpec" not in inspect.getsource(original):
+        return "find_longest_cache_hit_per_group no longer skips mamba groups"
+    return None
+
+
+def _bind_precondition(original) -> str | None:
+    if _params(original) != ["self", "gpu_block_pool"]:
+        return f"KVPoolScheduler.bind_gpu_block_pool parameters are {_params(original)}"
+    return None
+
+
+def joint_hit_for_pool(original):
+    """``find_longest_cache_hit_per_group`` that answers with the joint hit for the pool."""
+
+    @functools.wraps(original)
+    def find_longest_cache_hit_per_group(self, block_hashes, max_cache_hit_length):
+        if self.block_pool not in POOL_BLOCK_POOLS:
+            return original(self, block_hashes, max_cache_hit_length)
+        blocks, hit = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)[:2]
+        return tuple(blocks), (hit,) * len(blocks)
+
+    return find_longest_cache_hit_per_group
+
+
+def register_block_pool(original):
+    """``bind_gpu_block_pool`` that remembers the pool scheduler's block pool."""
+
+    @functools.wraps(original)
+    def bind_gpu_block_pool(self, gpu_block_pool):
+        if gpu_block_pool is not None:
+            POOL_BLOCK_POOLS.add(gpu_block_pool)
+        return original(self, gpu_block_pool)
+
+    return bind_gpu_block_pool
+
+
+SPECS = (
+    PatchSpec(
+        name="mamba_local_hit",
+        group="mamba_local_hit",
+        target=f"{COORDINATOR}.find_longest_cache_hit_per_group",
+        factory=joint_hit_for_pool,
+        why="a pool-serving instance's local prefix hit keeps its mamba state (joint hit over all groups)",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_coordinator_precondition,
+        fixed_upstream=_coordinator_fixed,
+    ),
+    PatchSpec(
+        name="mamba_local_hit_pool",
+        group="mamba_local_hit",
+        target=f"{POOL_SCHEDULER}.bind_gpu_block_pool",
+        factory=register_block_pool,
+        why="marks the block pool whose connector is the AscendStore pool (it does not ship mamba state)",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_bind_precondition,
+    ),
+)
