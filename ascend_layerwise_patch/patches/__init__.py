@@ -72,11 +72,12 @@ imports nothing heavy at import time (factories import their targets' neighbours
 
 from __future__ import annotations
 
-from . import connector_guards, gdn_layerwise, mamba_lifetime, mamba_local_hit, postprocess_kernel
+from . import connector_guards, gdn_layerwise, mamba_lifetime, mamba_local_hit, mamba_precopy, postprocess_kernel
 
 SPECS = (
     *connector_guards.SPECS,
     *gdn_layerwise.SPECS,
+    *mamba_precopy.SPECS,
     *mamba_lifetime.SPECS,
     *postprocess_kernel.SPECS,
     *mamba_local_hit.SPECS,

@@ -24,7 +24,9 @@ How      At the entry of ``_forward_core``, whenever a KV connector exists:
          compilation support"). A connector call in ``forward`` would be traced into the graph or
          break it. The state the wait protects (``self.kv_cache``) is first read inside
          ``_forward_core``, so waiting at its entry keeps the ordering wait -> fence -> compute ->
-         save. Both helpers are looked up on their modules at call time, so the connector guard
+         save. Between the wait and the fence the layer applies its align pre-copy rows that
+         ``mamba_precopy`` (same group) deferred until the layer's load completed. Both helpers are
+         looked up on their modules at call time, so the connector guard
          (patches.connector_guards) and any later fix of either helper apply here too.
          310P: ``AscendGatedDeltaNetAttention310._forward_core`` saves the layer the same way and
          has the same gap, so it gets the same change, as its own group: a 310P-only module that
@@ -39,6 +41,7 @@ import functools
 import importlib
 
 from ..registry import PatchSpec
+from . import mamba_precopy
 from .connector_guards import STATE
 
 VLLM = ">=0.25.0,<0.26"
@@ -86,11 +89,14 @@ def join_layerwise(original):
     utils = importlib.import_module("vllm_ascend.attention.utils")
     fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
     state = importlib.import_module(STATE)
+    pending = mamba_precopy.PENDING
 
     @functools.wraps(original)
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         if state._KV_CONNECTOR_AGENT is not None:
             utils.wait_for_kv_layer_from_connector(self.prefix)
+            if pending:  # this layer's align pre-copy, deferred until its load completed
+                mamba_precopy.copy_for_layer(self.prefix)
             fence.record_attention_compute_start()
         return original(self, mixed_qkv, b, a, core_attn_out)
 

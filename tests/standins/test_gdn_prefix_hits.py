@@ -1,0 +1,187 @@
+"""Issue 10: every GDN layer starts from the right state on every prefix hit.
+
+On the pool harness (tests/standins/harness_pool.py): vLLM 0.25.1's Scheduler + KVCacheManager in
+mamba align mode with vllm-ascend's process-wide patches, the AscendStore connector's halves from
+KVConnectorFactory (use_layerwise, MemCache backend), the real layer threads, a byte-level pool,
+and ``execute_model``'s order replayed. Each state names its content ("layer L after the first t
+tokens"); the harness records, at the moment each GDN layer reads its state, what it found.
+
+Scenarios (issue 10's "How to prove it"): (a) a pool hit longer than the local hit, on a second
+instance; (b) a local prefix hit with the connector on; (c) hit boundaries where no saved state
+exists. Controls: no hit at all; no connector at all. Each must be right with the library on; with
+it off (``test_library_off_reads_wrong_states`` and ``ASCEND_LAYERWISE_PATCH=0``) the (a)/(b)/(c)
+scenarios read wrong states.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import ascend_layerwise_patch
+from support import PAIR
+
+PAIRS = ("v0251",)
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+BS = 16
+A = list(range(1000, 1040))  # 40 tokens
+X = list(range(5000, 5040))  # an unrelated prompt
+TAIL = [7, 8, 9, 10, 11]
+
+
+def _serve(inst: PoolInstance, req_id: str, prompt, max_tokens: int = 1) -> None:
+    inst.add_request(req_id, prompt, max_tokens)
+    engine_loop(inst)
+
+
+def _first_step_reads(inst: PoolInstance, req_id: str):
+    step = inst.first_step_of(req_id)
+    return inst.reads_of(req_id, step=step), inst.reads_of(req_id, kind="attn", step=step)
+
+
+# ------------------------------------------------------------------------------ scenarios
+# Each returns (instance, request ids whose first step must read right, expected hit tokens).
+
+
+def pool_hit_plus_5():
+    """(a) B on a second instance (empty HBM, same pool) = A's first 32 tokens + 5 others."""
+    pool = make_pool()
+    _serve(PoolInstance(pool, name="A"), "a", A)
+    b = PoolInstance(pool, name="B")
+    _serve(b, "b", A[:32] + TAIL)
+    return b, {"b": 32}
+
+
+def pool_hit_plus_1():
+    """(a) + exactly 1 more token."""
+    pool = make_pool()
+    _serve(PoolInstance(pool, name="A"), "a", A)
+    b = PoolInstance(pool, name="B")
+    _serve(b, "b", A[:32] + [7])
+    return b, {"b": 32}
+
+
+def pool_and_local_hits_in_one_batch():
+    """(a) a batch mixing a pool-hit request with a local-hit one."""
+    pool = make_pool()
+    _serve(PoolInstance(pool, name="A"), "a", A)
+    b = PoolInstance(pool, name="B")
+    _serve(b, "x", X)  # B's own prefix cache now holds X
+    b.add_request("b1", A[:32] + TAIL)  # pool hit
+    b.add_request("b2", X[:32] + TAIL)  # local hit
+    engine_loop(b)
+    return b, {"b1": 32, "b2": 32}
+
+
+def local_hit_with_connector():
+    """(b) one instance with the connector: A then B sharing 32 tokens (pool hit == local hit)."""
+    inst = PoolInstance(make_pool(), name="A")
+    _serve(inst, "a", A)
+    _serve(inst, "b", A[:32] + TAIL)
+    return inst, {"b": 32}
+
+
+def local_hit_empty_pool():
+    """(b) a local hit with the connector on and nothing in the pool."""
+    pool = make_pool()
+    inst = PoolInstance(pool, name="A")
+    _serve(inst, "a", A)
+    pool.clear()
+    _serve(inst, "b", A[:32] + TAIL)
+    return inst, {"b": 32}
+
+
+def whole_prompt_one_chunk():
+    """(c1) B = exactly A's first 32 tokens, A prefilled in one chunk."""
+    pool = make_pool()
+    _serve(PoolInstance(pool, name="A"), "a", A)
+    b = PoolInstance(pool, name="B")
+    _serve(b, "b", A[:32])
+    return b, {"b": 16}
+
+
+def whole_prompt_16_token_chunks():
+    """(c1) B = exactly A's first 32 tokens, A prefilled in 16-token chunks."""
+    pool = make_pool()
+    _serve(PoolInstance(pool, name="A", max_num_batched_tokens=16, max_num_seqs=4), "a", A)
+    b = PoolInstance(pool, name="B")
+    _serve(b, "b", A[:32])
+    return b, {"b": 16}
+
+
+def first_block_only():
+    """(c2) B shares only A's first 16 tokens; A (one chunk) never checkpointed block 0."""
+    pool = make_pool()
+    _serve(PoolInstance(pool, name="A"), "a", A)
+    b = PoolInstance(pool, name="B")
+    _serve(b, "b", A[:16] + TAIL)
+    return b, {"b": 0}
+
+
+def no_hit():
+    """Control: nothing shared."""
+    pool = make_pool()
+    _serve(PoolInstance(pool, name="A"), "a", A)
+    b = PoolInstance(pool, name="B")
+    _serve(b, "b", X)
+    return b, {"b": 0}
+
+
+def no_connector():
+    """Control: no KV connector at all; vLLM's prefix cache serves the hit."""
+    inst = PoolInstance(None, name="local")
+    _serve(inst, "a", A)
+    _serve(inst, "b", A[:32] + TAIL)
+    return inst, {"b": 32}
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        pool_hit_plus_5,
+        pool_hit_plus_1,
+        pool_and_local_hits_in_one_batch,
+        local_hit_with_connector,
+        local_hit_empty_pool,
+        whole_prompt_one_chunk,
+        whole_prompt_16_token_chunks,
+        first_block_only,
+        no_hit,
+        no_connector,
+    )
+}
+CONTROLS = {"no_hit", "no_connector"}
+
+
+def wrong_layers(name: str) -> tuple[int, int, dict]:
+    """(wrong GDN reads, wrong attention block reads) of the checked requests' first steps."""
+    inst, checked = SCENARIOS[name]()
+    wrong_gdn = wrong_attn = 0
+    starts = {}
+    for req_id in checked:
+        gdn, attn = _first_step_reads(inst, req_id)
+        wrong_gdn += sum(not r.ok for r in gdn)
+        wrong_attn += sum(not r.ok for r in attn)
+        starts[req_id] = {r.expected for r in gdn} or {0}
+    return wrong_gdn, wrong_attn, starts
+
+
+@pytest.fixture
+def library_on():
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    reg.activate()
+    yield
+    reg.activate()
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_gdn_layer_reads_the_right_state(library_on, name):
+    wrong_gdn, wrong_attn, starts = wrong_layers(name)
+    print(f"\n{name}: wrong GDN reads {wrong_gdn}, wrong attention blocks {wrong_attn}, started at {starts}")
+    assert (wrong_gdn, wrong_attn) == (0, 0)
