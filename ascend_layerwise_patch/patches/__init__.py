@@ -72,7 +72,7 @@ imports nothing heavy at import time (factories import their targets' neighbours
 
 from __future__ import annotations
 
-from . import connector_guards, gdn_layerwise, mamba_lifetime, mamba_local_hit, mamba_precopy, postprocess_kernel
+from . import connector_guards, gdn_layerwise, mamba_lifetime, mamba_local_hit, mamba_pool_hit, mamba_precopy, postprocess_kernel
 
 SPECS = (
     *connector_guards.SPECS,
@@ -81,4 +81,5 @@ SPECS = (
     *mamba_lifetime.SPECS,
     *postprocess_kernel.SPECS,
     *mamba_local_hit.SPECS,
+    *mamba_pool_hit.SPECS,
 )

@@ -185,3 +185,25 @@ def test_every_gdn_layer_reads_the_right_state(library_on, name):
     wrong_gdn, wrong_attn, starts = wrong_layers(name)
     print(f"\n{name}: wrong GDN reads {wrong_gdn}, wrong attention blocks {wrong_attn}, started at {starts}")
     assert (wrong_gdn, wrong_attn) == (0, 0)
+
+
+@pytest.fixture
+def library_off():
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    yield
+    reg.activate()
+
+
+def test_library_off_reads_wrong_states(library_off):
+    """The proof the scenarios can fail: vllm-ascend 0.25.1rc1 as released reads wrong states in
+    every (a)/(b)/(c) scenario, and the controls are right either way."""
+    table = {name: wrong_layers(name) for name in SCENARIOS}
+    print("\nlibrary off: scenario -> (wrong GDN reads, wrong attention blocks, first-step start)")
+    for name, row in table.items():
+        print(f"  {name}: {row}")
+    for name, (wrong_gdn, wrong_attn, _starts) in table.items():
+        if name in CONTROLS:
+            assert (wrong_gdn, wrong_attn) == (0, 0), name
+        else:
+            assert wrong_gdn > 0, name
