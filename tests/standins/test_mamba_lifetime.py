@@ -173,13 +173,16 @@ def test_full_attention_after_timeout_mamba_only(patched, monkeypatch):
         _attention_race(h)
     finally:
         h.close()
-    a = h.reqs["a"].ever
     bad = {v.block_id for v in h.backend.violations}
-    assert bad, "expected reads of a's reallocated full-attention blocks"
-    assert bad <= a[ATTN] and not bad & a[MAMBA]
+    assert bad, "expected reads of reallocated or freed full-attention blocks"
+    # every bad read is of a full-attention block of the reading request (b's sends queue behind
+    # a's stuck ones, so b's freed attention blocks are exposed too), never of a mamba block
+    for v in h.backend.violations:
+        ever = h.reqs[v.reader].ever
+        assert v.block_id in ever[ATTN] and v.block_id not in ever[MAMBA], v
     assert {v.mark for v in h.backend.violations if v.kind == "foreign"} <= {"b"}
     assert h.leaked() == 0
-    print(f"\nmamba-only hold: {len(h.backend.violations)} bad reads, all on a's full-attention blocks {sorted(bad)}")
+    print(f"\nmamba-only hold: {len(h.backend.violations)} bad reads, all on full-attention blocks {sorted(bad)}")
 
 
 def test_full_attention_after_timeout_default(patched):
