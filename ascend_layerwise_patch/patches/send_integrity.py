@@ -3,6 +3,7 @@ are released, stuck copies reported.
 
 Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
          pool_worker:KVCacheStoreLayerSendingThread._batch_copy_with_limits    (the save copy)
+         pool_worker:KVCacheStoreLayerSendingThread.build_shared_data          (per-step arrays)
          ascend_store_connector:AscendStoreConnector.has_pending_push_work     (scheduler side)
          and, through the ``mamba_lifetime`` wrappers of the same group, KVPoolWorker.start_load_kv,
          .save_kv_layer, .build_connector_worker_meta and both layer sending threads'
@@ -25,8 +26,10 @@ How      1. Each layer copy that returns 0 records, per key whose GVA it wrote, 
             the first failure per key), so MemCache finishes it as failed: a miss for
             ``batch_get_key_info`` and so for ``_get_layerwise_gva_hit_tokens``. If the final
             layer raises before its copy returned, the thread finishes that layer's keys as failed
-            itself. The worker hands the thread each layer's task list once (a fresh list is left
-            in its place), so a later step can no longer change a list that is still queued.
+            itself. A send still queued when the next step starts (after that wait gave up) keeps
+            what it was built with: the worker hands each layer's task list over once (a fresh
+            list is left in its place), and each step's block / GVA arrays are its own (upstream
+            returns views of a per-group buffer that the next step's build overwrites).
             Tensor parallel: each rank writes and finishes its own ``@rank`` key and the lookup
             needs every rank's key, so a block hits only when every rank's key is complete. The
             key-per-layer variant (``put`` per layer key) is complete by construction: a missing
@@ -235,6 +238,18 @@ def make_batch_copy(original):
     return _batch_copy_with_limits
 
 
+def make_build_shared_data(original):
+    @functools.wraps(original)
+    def build_shared_data(self, task):
+        shared = original(self, task)
+        if shared is not None:  # views of the builder's buffer, reused by the next step's build
+            shared.block_ids_arr = shared.block_ids_arr.copy()
+            shared.block_gvas_arr = shared.block_gvas_arr.copy()
+        return shared
+
+    return build_shared_data
+
+
 def make_has_pending_push_work(original):
     @functools.wraps(original)
     def has_pending_push_work(self):
@@ -279,6 +294,19 @@ def _copy_ok(original) -> str | None:
     return None
 
 
+def _shared_ok(original) -> str | None:
+    import inspect
+
+    if list(inspect.signature(original).parameters) != ["self", "task"]:
+        return "build_shared_data parameters changed"
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import config_data
+
+    fields = getattr(config_data.SharedBlockData, "__dataclass_fields__", {})
+    if not {"block_ids_arr", "block_gvas_arr", "save_keys"} <= set(fields):
+        return "SharedBlockData no longer has block_ids_arr / block_gvas_arr / save_keys"
+    return None
+
+
 def _push_work_ok(original) -> str | None:
     import inspect
 
@@ -318,6 +346,16 @@ SPECS = (
         vllm_ascend=VLLM_ASCEND,
         precondition=_with_risk(_copy_ok, "pool keys with unwritten layers can be published as ready"),
         counters=counters,
+    ),
+    PatchSpec(
+        name="send_integrity_own_arrays",
+        group=GROUP,
+        target=f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread.build_shared_data",
+        factory=make_build_shared_data,
+        why="a queued layer send keeps its own block and GVA arrays when the next step builds its own",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_with_risk(_shared_ok, "a send still queued after a save timeout copies the next step's blocks"),
     ),
     PatchSpec(
         name="send_integrity_idle_steps",

@@ -239,7 +239,8 @@ def test_applies_whichever_module_comes_first():
 
 # ------------------------------------------------------------------------------ randomized
 _BEHAVIOUR = st.sampled_from(["fast", "fast", "fast", "slow", "fail", "raise"])
-_ARRIVAL = st.tuples(st.integers(1, 24), st.integers(0, 3), _BEHAVIOUR, st.integers(1, 4))
+_LAYER = st.one_of(st.none(), st.integers(0, 3))  # misbehave on every layer, or on this one only
+_ARRIVAL = st.tuples(st.integers(1, 24), st.integers(0, 3), _BEHAVIOUR, st.integers(1, 4), _LAYER)
 _STEP = st.tuples(
     st.lists(_ARRIVAL, max_size=2),
     st.one_of(st.none(), st.integers(0, 7)),  # abort the i-th live request
@@ -249,6 +250,7 @@ _STEP = st.tuples(
 
 def _check_step(h: Harness) -> None:
     assert h.backend.violations == [], h.backend.violations[:5]
+    assert h.backend.stale_ready == [], h.backend.stale_ready[:5]  # store integrity, on every finish
     for ids in h.sched.sending_blocks.values():  # every block an unfinished send may read is held
         assert all(h.pool.blocks[b].ref_cnt > 0 for b in ids)
     for req in h.live():  # what vLLM thinks a request owns is marked with that request
@@ -263,8 +265,9 @@ def test_randomized_schedules(patched, tp, chunk, steps):
     n = 0
     try:
         for arrivals, abort, preempt in steps:
-            for prompt, decode, behaviour, delay in arrivals:
-                h.add(f"q{n}", prompt, decode, behaviour, release_after=delay)
+            for prompt, decode, behaviour, delay, layer in arrivals:
+                layers = None if layer is None else frozenset([layer])
+                h.add(f"q{n}", prompt, decode, behaviour, release_after=delay, layers=layers)
                 n += 1
             live = h.live()
             abort_ids = [live[abort % len(live)].id] if live and abort is not None else []
@@ -281,3 +284,4 @@ def test_randomized_schedules(patched, tp, chunk, steps):
     assert not h.live()
     assert h.held_blocks() == [] and h.leaked() == 0
     assert h.sched.sending_blocks == {}
+    assert h.backend.unfinished() == []  # every allocated key was finished (ready only if complete)
