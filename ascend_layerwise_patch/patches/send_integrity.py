@@ -216,7 +216,7 @@ def check_stuck(worker, now: float | None = None) -> None:
     item = list(ledger.item or ())  # a snapshot: the thread may clear it meanwhile
     logger().warning(
         "ascend_layerwise_patch: layerwise KV send stuck: tp rank %s, layer %s copy of request(s) %s "
-        "in flight for %.1f s (save_kv_layer waits %.0f s); its blocks stay held until it returns",
+        "in flight for %.3g s (save_kv_layer waits %.3g s); its blocks stay held until it returns",
         getattr(worker, "tp_rank", "?"),
         item[0].layer_id if item else "?",
         ", ".join(_req_ids(item)) or "?",

@@ -8,7 +8,9 @@ lists every key finished with result 0 while a slot was unwritten (``stale_ready
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 
 import pytest
 
@@ -109,3 +111,84 @@ def test_counted_in_status(patched):
     row = {st.name: st for st in ascend_layerwise_patch.status()}["send_integrity_copy"]
     assert row.counters["incomplete_keys_failed"] - before > 0
     assert set(row.counters) == {"stuck_sends", "stuck_sends_total", "incomplete_keys_failed"}
+
+
+# ------------------------------------------------------------------------------ stuck copies
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def warnings_naming(self, req_id: str) -> list[logging.LogRecord]:
+        return [r for r in self.records if r.levelno >= logging.WARNING and req_id in r.getMessage()]
+
+
+@pytest.fixture
+def vllm_log():
+    handler = _Records()
+    log = logging.getLogger("vllm")  # vLLM's logger (vllm-ascend logs through it) and this library's child
+    log.addHandler(handler)
+    yield handler
+    log.removeHandler(handler)
+
+
+HANG_S = 1.5  # the hung copy (~30 s scaled like save_kv_layer's wait, 10 s -> 30 ms, would be 0.09 s)
+
+
+def _hung_copy(h: Harness) -> tuple[set[int], list[set[int]], float]:
+    """Request "hung" finishes while its copy hangs; the engine keeps stepping for ``HANG_S``.
+    Returns the blocks held after its step, those held after each later step, and the wall start."""
+    h.add("hung", 8, decode_steps=0, behaviour="slow")
+    wall, start = time.time(), time.monotonic()
+    h.step()
+    assert h.reqs["hung"].state == "done"
+    held = set(h.held_blocks())
+    during = []
+    while time.monotonic() - start < HANG_S:
+        time.sleep(0.02)
+        h.step()  # no-forward steps (build_connector_worker_meta runs)
+        during.append(set(h.held_blocks()))
+    return held, during, wall
+
+
+def test_stuck_copy_warns_and_holds(patched, vllm_log, monkeypatch):
+    from harness_pool import TIME_SCALE
+
+    monkeypatch.setattr(send_integrity, "STUCK_AFTER_S", 10.0 * TIME_SCALE)  # save_kv_layer's wait, scaled
+    monkeypatch.setattr(send_integrity, "STUCK_REPEAT_S", 60.0 * TIME_SCALE)
+    total_before = send_integrity.counters()["stuck_sends_total"]
+    h = Harness(tp=1, num_blocks=32)
+    try:
+        held, during, started = _hung_copy(h)
+        hung_for = time.time() - started
+        stuck = send_integrity.counters()
+        first = vllm_log.warnings_naming("hung")
+        h.release("hung")
+        h.drain()
+    finally:
+        h.close()
+    assert held and all(d == held for d in during), "a block was freed while the stuck copy still reads it"
+    assert stuck["stuck_sends"] == 1 and stuck["stuck_sends_total"] == total_before + 1
+    assert first, "no WARNING named the stuck request"
+    # the first one right after save_kv_layer's own wait gave up, in the step that started the copy
+    assert first[0].created - started < 10.0 * TIME_SCALE + 0.5
+    assert "in flight for" in first[0].getMessage()
+    # repeated while stuck, at the lower rate
+    assert 2 <= len(first) <= 2 + hung_for / (60.0 * TIME_SCALE)
+    assert h.backend.violations == [] and h.held_blocks() == [] and h.leaked() == 0
+    assert send_integrity.counters()["stuck_sends"] == 0
+    print(f"\nhung copy {hung_for:.2f} s: {len(first)} warnings, first: {first[0].getMessage()}")
+
+
+def test_unpatched_stuck_copy_is_silent(unpatched, vllm_log):
+    h = Harness(tp=1, num_blocks=32)
+    try:
+        _hung_copy(h)
+        h.release("hung")
+        h.drain()
+    finally:
+        h.close()
+    assert vllm_log.warnings_naming("hung") == []
