@@ -72,6 +72,7 @@ IDLE_STEP_LIMIT_S = 60.0  #: idle engine steps stop once the oldest open event m
 LEDGER = "_ascend_layerwise_patch_ledger"  # sending thread: its _Ledger
 _WATCH = "_ascend_layerwise_patch_stuck_watch"  # worker: (seq warned about, last warning time)
 _HEAD = "_ascend_layerwise_patch_oldest_event"  # scheduler: (oldest open event id, seen since)
+_WRITTEN = "_ascend_layerwise_patch_written"  # a step's SharedBlockData: its _Written
 
 _counts_lock = threading.Lock()
 _counts = {"stuck_sends_total": 0, "incomplete_keys_failed": 0}
@@ -91,14 +92,25 @@ def _count(name: str, n: int = 1) -> None:
         _counts[name] += n
 
 
-class _Ledger:
-    """One sending thread's view: the item in flight and, per key, the layer slots written so far."""
+class _Written:
+    """The layer slots one step's copies of one KV cache group have written (one copy per layer
+    writes every key of the group at once)."""
 
-    __slots__ = ("worker", "slots", "item", "final", "copied", "since", "seq", "__weakref__")
+    __slots__ = ("group", "slots")
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+        self.slots: set[int] = set()
+
+
+class _Ledger:
+    """One sending thread's view: the item in flight and, per key, what wrote its slots so far."""
+
+    __slots__ = ("worker", "owner", "item", "final", "copied", "since", "seq", "__weakref__")
 
     def __init__(self, worker) -> None:
         self.worker = worker  # _allocated_gvas (key -> GVA) and group_num_layers live there
-        self.slots: dict[str, tuple[int, set[int]]] = {}  # key -> (group, slots written)
+        self.owner: dict[str, _Written] = {}  # key -> the group copies that wrote its GVA
         self.item = None  # the task list being sent
         self.final = False
         self.copied = False
@@ -115,28 +127,31 @@ class _Ledger:
         self.item, self.since = None, 0.0
 
     def copy_returned(self, thread, res: int) -> None:
-        """Record the slots this item wrote; before the final finish, fail every key with a gap."""
+        """Record the slot this item wrote; before the final finish, fail every key with a gap."""
         self.copied = True
         tasks = self.item or ()
         if res == 0:
-            gva_of = self.worker._allocated_gvas
             for task in tasks:
                 shared = task.shared_block_data
                 if shared is None or not shared.save_keys:
                     continue
-                written = set(shared.block_gvas_arr.tolist())
-                for key in shared.save_keys:
-                    if gva_of.get(key) in written:
-                        group, slots = self.slots.setdefault(key, (task.group_id, set()))
-                        slots.add(task.layer_idx_in_group)
+                written = shared.__dict__.get(_WRITTEN)
+                if written is None:  # this step's first good copy of the group: whose GVAs are these
+                    written = shared.__dict__[_WRITTEN] = _Written(task.group_id)
+                    gvas = set(shared.block_gvas_arr.tolist())
+                    gva_of = self.worker._allocated_gvas
+                    for key in shared.save_keys:
+                        if gva_of.get(key) in gvas:
+                            self.owner[key] = written
+                written.slots.add(task.layer_idx_in_group)
         if not self.final:
             return
         results = thread.write_results
         layers = self.worker.group_num_layers
         gaps = 0
         for key in _save_keys(tasks):
-            group, slots = self.slots.pop(key, (None, ()))
-            if group is None or len(slots) < layers.get(group, self.worker.num_layers):
+            written = self.owner.pop(key, None)
+            if written is None or len(written.slots) < layers.get(written.group, self.worker.num_layers):
                 if not results.get(key):
                     results[key] = INCOMPLETE  # upstream's `get(key, 0) or res` keeps it
                 gaps += 1
@@ -150,7 +165,7 @@ class _Ledger:
         keys = _save_keys(self.item or ())
         for key in keys:
             thread.write_results.pop(key, None)
-            self.slots.pop(key, None)
+            self.owner.pop(key, None)
         if keys:
             thread.m_store.batch_write_finish(keys, [INCOMPLETE] * len(keys))
             _count("incomplete_keys_failed", len(keys))
