@@ -1264,6 +1264,19 @@ class PoolInstance:
     def wrong_reads(self, req_id: str | None = None, *, kind: str = "gdn") -> list[GDNRead]:
         return [r for r in self.reads_of(req_id, kind=kind) if not r.ok]
 
+    # ------------------------------------------------------------------ time
+    def scale_save_wait(self) -> None:
+        """``save_kv_layer``'s 10 s wait for the step's last layer lasts 10 s x ``TIME_SCALE`` on
+        every rank (its events become :class:`ScaledEvent` s, in the list the sending thread shares)."""
+        for rank in self.ranks:
+            worker = rank.connector.connector_worker
+            events = worker.layer_save_finished_events
+            for i, ev in enumerate(events):
+                scaled = ScaledEvent()
+                if ev.is_set():
+                    scaled.set()
+                events[i] = scaled
+
 
 def engine_loop(inst: PoolInstance, *, max_steps: int = 1000, on_step=None) -> int:
     """Step ``inst`` exactly as ``EngineCoreProc.run_busy_loop`` does: only while it has work.
