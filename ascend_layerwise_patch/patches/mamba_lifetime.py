@@ -39,6 +39,9 @@ Full attention after a save timeout
          ``ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION=0`` holds mamba blocks only (upstream's
          scope); risk: full-attention blocks can again be reused under a send that timed out.
          Nothing here waits: a send that never finishes keeps its blocks held (safe, not live).
+Integrity ``send_integrity.py`` (same group, hooked into these wrappers) adds: keys are finished as
+         written only with every layer slot written; each queued layer keeps its own task list and
+         arrays; the engine keeps stepping while events are open; stuck copies are reported.
 Removal  When vllm-ascend's worker reports completed events for layerwise sends itself (the
          fixed-upstream detector then skips the whole group). The group applies all or nothing:
          if the worker half cannot apply, the scheduler half does not either, and vllm-ascend's own
