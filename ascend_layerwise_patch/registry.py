@@ -68,7 +68,8 @@ class PatchSpec(NamedTuple):
     Version ranges are PEP 440 specifiers matched on the base release (see ``versions``);
     ``None`` for a range means the patch does not depend on that package. ``copied_by`` names
     modules whose import copies the target into an alias (vllm-ascend's late worker patches):
-    their import re-points the aliases, whatever the order.
+    their import re-points the aliases, whatever the order. ``counters()``, if given, returns the
+    patch's live counts in this process (shown in ``status()`` while it is applied).
     """
 
     name: str
@@ -82,6 +83,7 @@ class PatchSpec(NamedTuple):
     copied_by: tuple[str, ...] = ()
     precondition: Check | None = None
     fixed_upstream: Check | None = None
+    counters: Callable[[], Mapping[str, int]] | None = None
 
     @property
     def module(self) -> str:
@@ -95,13 +97,16 @@ class PatchSpec(NamedTuple):
 class PatchStatus:
     """One patch's state in this process (``state`` is one of the constants above)."""
 
-    __slots__ = ("name", "group", "target", "state", "reason", "versions", "ranges", "aliases")
+    __slots__ = ("name", "group", "target", "state", "reason", "versions", "ranges", "aliases", "counters")
 
-    def __init__(self, name, group, target, state, reason="", versions=None, ranges=None, aliases=None):
+    def __init__(
+        self, name, group, target, state, reason="", versions=None, ranges=None, aliases=None, counters=None
+    ):
         self.name, self.group, self.target, self.state, self.reason = name, group, target, state, reason
         self.versions: dict[str, str | None] = dict(versions or {})
         self.ranges: dict[str, str | None] = dict(ranges or {})
         self.aliases: list[str] = list(aliases or [])
+        self.counters: dict[str, int] = dict(counters or {})
 
     def as_dict(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self.__slots__}
@@ -213,7 +218,11 @@ class Registry:
 
     def status(self) -> list[PatchStatus]:
         with self._lock:
-            return [PatchStatus(**st.as_dict()) for st in self._status.values()]
+            out = [PatchStatus(**st.as_dict()) for st in self._status.values()]
+        for spec, st in zip(self.specs, out):
+            if spec.counters is not None and st.state == APPLIED:
+                st.counters = dict(spec.counters())
+        return out
 
     @property
     def active(self) -> bool:

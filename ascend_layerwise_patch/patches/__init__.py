@@ -50,6 +50,28 @@ imports nothing heavy at import time (factories import their targets' neighbours
    Remove:  when vllm-ascend's layer sending thread reports completed events (detected: the whole
             group then skips itself).
 
+** send_integrity ** (``send_integrity.py``; part of the mamba_lifetime group)
+   Target:  ascend_store.pool_worker.KVCacheStoreLayerSendingThread._batch_copy_with_limits and
+            .build_shared_data; ascend_store.ascend_store_connector.AscendStoreConnector
+            .has_pending_push_work; plus hooks in the mamba_lifetime wrappers (start_load_kv,
+            save_kv_layer, build_connector_worker_meta, the sending threads' _handle_request).
+   Why:     the layer sending thread finishes a GVA pool key as written after its final layer even
+            when another layer's copy raised or its queued task list was rebuilt by the next step
+            (after save_kv_layer's 10 s wait), so hits load unwritten layers; held blocks are only
+            released inside a step, and vLLM stops stepping when the last request ends (blocks stay
+            pinned, reset_prefix_cache(reset_running_requests=True) raises); a hung copy is silent.
+   How:     the thread records per key which layer slots a successful copy wrote and gives every
+            key with a gap a failure result before the final finish (or finishes it failed itself
+            if the final layer raised); the worker hands each queued task list over and starts a
+            fresh one, and each step's block / GVA arrays are its own copies (upstream's are views
+            of a buffer the next step's build overwrites); has_pending_push_work keeps vLLM
+            stepping (no model run) while a send event is open (bounded by IDLE_STEP_LIMIT_S
+            without progress); a copy in flight longer than save_kv_layer's wait is logged as a
+            WARNING (rate-limited) and counted in status() (``counters``).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Remove:  with the lifetime group; has_pending_push_work skips itself once AscendStoreConnector
+            defines it.
+
 ** postprocess_kernel ** and ** postprocess_v2_out_buffer ** (``postprocess_kernel.py``, one group)
    Target:  vllm_ascend.ops.triton.mamba.postprocess.postprocess_mamba_fused_kernel (+ the copies
             vllm-ascend's patch_mamba_utils makes in itself and in vllm.v1.worker.mamba_utils);
@@ -72,13 +94,23 @@ imports nothing heavy at import time (factories import their targets' neighbours
 
 from __future__ import annotations
 
-from . import connector_guards, gdn_layerwise, mamba_lifetime, mamba_local_hit, mamba_pool_hit, mamba_precopy, postprocess_kernel
+from . import (
+    connector_guards,
+    gdn_layerwise,
+    mamba_lifetime,
+    mamba_local_hit,
+    mamba_pool_hit,
+    mamba_precopy,
+    postprocess_kernel,
+    send_integrity,
+)
 
 SPECS = (
     *connector_guards.SPECS,
     *gdn_layerwise.SPECS,
     *mamba_precopy.SPECS,
     *mamba_lifetime.SPECS,
+    *send_integrity.SPECS,
     *postprocess_kernel.SPECS,
     *mamba_local_hit.SPECS,
     *mamba_pool_hit.SPECS,

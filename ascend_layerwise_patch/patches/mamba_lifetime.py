@@ -39,6 +39,9 @@ Full attention after a save timeout
          ``ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION=0`` holds mamba blocks only (upstream's
          scope); risk: full-attention blocks can again be reused under a send that timed out.
          Nothing here waits: a send that never finishes keeps its blocks held (safe, not live).
+Integrity ``send_integrity.py`` (same group, hooked into these wrappers) adds: keys are finished as
+         written only with every layer slot written; each queued layer keeps its own task list and
+         arrays; the engine keeps stepping while events are open; stuck copies are reported.
 Removal  When vllm-ascend's worker reports completed events for layerwise sends itself (the
          fixed-upstream detector then skips the whole group). The group applies all or nothing:
          if the worker half cannot apply, the scheduler half does not either, and vllm-ascend's own
@@ -53,6 +56,7 @@ import os
 import threading
 
 from ..registry import PatchSpec
+from . import send_integrity as _integrity
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
@@ -141,6 +145,7 @@ def make_start_load_kv(original):
     @functools.wraps(original)
     def start_load_kv(self, metadata):
         if self.use_layerwise:
+            _integrity.bind(self)
             ids = [r.event_id for r in metadata.requests if r.event_id is not None]
             if ids:
                 self.__dict__.setdefault(_PENDING, []).extend(ids)
@@ -166,10 +171,15 @@ def _queue_release(worker) -> None:
 def make_save_kv_layer(original):
     @functools.wraps(original)
     def save_kv_layer(self, connector_metadata):
-        last = self.current_layer == self.num_layers - 1
+        layer = self.current_layer
+        last = layer == self.num_layers - 1
+        queued = layer < self.num_layers and bool(self.layer_save_tasks[layer])
         original(self, connector_metadata)
+        if queued:
+            self.layer_save_tasks[layer] = []  # the sending thread owns the queued list now
         if last:
             _queue_release(self)
+            _integrity.check_stuck(self)
 
     return save_kv_layer
 
@@ -180,6 +190,8 @@ def make_build_connector_worker_meta(original):
     @functools.wraps(original)
     def build_connector_worker_meta(self):
         meta = original(self)
+        if self.use_layerwise:
+            _integrity.check_stuck(self)
         done = self.__dict__.get(_DONE)
         ids = done.take() if done is not None and done.ids else None
         if not ids:
@@ -201,7 +213,7 @@ def make_handle_request(original):
             self.request_queue.task_done()
             return None
         try:
-            return original(self, transfer_tasks)
+            return _integrity.handle(self, transfer_tasks, original)
         except Exception:
             # Upstream clears a layer's task list (the worker's own list object) only when the
             # copy returns; after a raise the same tasks would be sent again with every later
@@ -308,7 +320,9 @@ SPECS = (
         "mamba_worker_release",
         "pool_worker:KVPoolWorker.save_kv_layer",
         make_save_kv_layer,
-        _expects(["self", "connector_metadata"], needs=("current_layer", "num_layers", "kv_send_thread")),
+        _expects(
+            ["self", "connector_metadata"], needs=("current_layer", "num_layers", "kv_send_thread", "layer_save_tasks")
+        ),
     ),
     _spec(
         "mamba_worker_report",

@@ -74,6 +74,8 @@ GVA_SHIFT = 20
 ADDR_SHIFT = 32
 
 _token_ids = itertools.count(1000)
+#: address base (see make_worker: (group * 100 + index + 1) << ADDR_SHIFT) -> physical layer
+_PHYSICAL = {g * 100 + i + 1: layer for layer, places in LAYERS.items() for g, i in places}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -102,6 +104,7 @@ class Behaviour:
     kind: str = "fast"  # fast | slow | fail | raise
     gate: threading.Event | None = None
     release_at: int | None = None  # harness step at which a slow request's gate opens
+    layers: frozenset[int] | None = None  # physical layers whose copies misbehave (None: all)
 
 
 @dataclass
@@ -125,6 +128,10 @@ class Backend:
         self.reads = 0
         self.copies = 0
         self.violations: list[Violation] = []
+        # store integrity: layer slots written by successful copies, and each key's finish
+        self.written: dict[str, set[int]] = {}
+        self.finished: dict[str, int] = {}
+        self.stale_ready: list[str] = []  # keys finished with result 0 while a slot was unwritten
 
     # -- what the worker and its sending thread call
     def set_device(self):
@@ -139,11 +146,25 @@ class Backend:
         return gvas
 
     def batch_write_finish(self, keys, results):
-        pass
+        with self.lock:
+            for key, res in zip(keys, results):
+                self.finished[key] = res
+                if res == 0 and self.written.get(key, set()) != set(range(self.num_slots(key))):
+                    self.stale_ready.append(key)
+
+    @staticmethod
+    def num_slots(key: str) -> int:
+        return GROUP_LAYERS[int(key.split("@")[1])]  # model@group@hash@rank: one slot per layer of the group
+
+    def unfinished(self) -> list[str]:
+        """Keys allocated but never finished (MemCache keeps them invisible)."""
+        return [k for k in self._key_of_base.values() if k not in self.finished]
 
     def batch_copy(self, gvas, addrs, sizes, direction):
         readers = [self._reader(gva) for gva in gvas]
+        layer = _PHYSICAL[addrs[0] >> ADDR_SHIFT] if addrs else None
         behaviours = [self.plan.get(r, Behaviour()) for r in dict.fromkeys(readers)]
+        behaviours = [b for b in behaviours if b.layers is None or layer in b.layers]
         for b in behaviours:
             if b.gate is not None:
                 b.gate.wait(GATE_LIMIT_S)
@@ -163,7 +184,13 @@ class Backend:
         kinds = {b.kind for b in behaviours}
         if "raise" in kinds:
             raise RuntimeError("test backend: copy raised")
-        return -1 if "fail" in kinds else 0
+        if "fail" in kinds:
+            return -1
+        with self.lock:
+            for gva in gvas:  # gva = key base + layer slot (page_size_bytes is 1)
+                base = (gva >> GVA_SHIFT) << GVA_SHIFT
+                self.written.setdefault(self._key_of_base[base], set()).add(gva - base)
+        return 0
 
     def _reader(self, gva: int) -> str:
         key = self._key_of_base[(gva >> GVA_SHIFT) << GVA_SHIFT]
@@ -323,7 +350,13 @@ class Harness:
 
     # ------------------------------------------------------------------ requests
     def add(
-        self, req_id: str, prompt_len: int, decode_steps: int = 1, behaviour: str = "fast", release_after: int | None = None
+        self,
+        req_id: str,
+        prompt_len: int,
+        decode_steps: int = 1,
+        behaviour: str = "fast",
+        release_after: int | None = None,
+        layers: frozenset[int] | None = None,
     ) -> Req:
         tokens = [next(_token_ids) for _ in range(prompt_len)]  # distinct: a hash names its request
         request = Request(req_id, tokens, SamplingParams(max_tokens=decode_steps + 1), None, block_hasher=self._hasher)
@@ -333,7 +366,7 @@ class Harness:
         self.reqs[req_id] = req
         gate = threading.Event() if behaviour == "slow" else None
         release_at = None if release_after is None else self.steps + release_after
-        self.backend.plan[req_id] = Behaviour(behaviour, gate, release_at)
+        self.backend.plan[req_id] = Behaviour(behaviour, gate, release_at, layers)
         return req
 
     def release(self, req_id: str) -> None:
@@ -1230,6 +1263,19 @@ class PoolInstance:
 
     def wrong_reads(self, req_id: str | None = None, *, kind: str = "gdn") -> list[GDNRead]:
         return [r for r in self.reads_of(req_id, kind=kind) if not r.ok]
+
+    # ------------------------------------------------------------------ time
+    def scale_save_wait(self) -> None:
+        """``save_kv_layer``'s 10 s wait for the step's last layer lasts 10 s x ``TIME_SCALE`` on
+        every rank (its events become :class:`ScaledEvent` s, in the list the sending thread shares)."""
+        for rank in self.ranks:
+            worker = rank.connector.connector_worker
+            events = worker.layer_save_finished_events
+            for i, ev in enumerate(events):
+                scaled = ScaledEvent()
+                if ev.is_set():
+                    scaled.set()
+                events[i] = scaled
 
 
 def engine_loop(inst: PoolInstance, *, max_steps: int = 1000, on_step=None) -> int:

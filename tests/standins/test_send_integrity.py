@@ -1,0 +1,194 @@
+"""Layerwise send integrity: no pool key finished as ready with an unwritten layer slot.
+
+Harness: tests/standins/harness_pool.py's ``Harness`` (real KVPoolScheduler / KVPoolWorker methods,
+a started KVCacheStoreLayerSendingThread, save_kv_layer's 10 s wait scaled to 30 ms); its backend
+records, per key, the layer slots written by copies that returned 0 and each key's finish, and
+lists every key finished with result 0 while a slot was unwritten (``stale_ready``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import pytest
+
+import ascend_layerwise_patch
+from ascend_layerwise_patch.patches import send_integrity
+from ascend_layerwise_patch.registry import APPLIED, MARKER
+
+from support import PAIR
+
+PAIRS = ("v0251", "v0250")
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+from harness_pool import Harness  # noqa: E402  (imports vllm-ascend's ascend_store)
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+
+@pytest.fixture
+def patched():
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    reg.activate()
+    assert {st.state for st in reg.status() if st.group == send_integrity.GROUP} == {APPLIED}
+    yield
+    reg.activate()
+
+
+@pytest.fixture
+def unpatched():
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import kv_transfer
+
+    assert not hasattr(vars(kv_transfer.KVCacheStoreLayerSendingThread)["_handle_request"], MARKER)
+    yield
+    reg.activate()
+
+
+def _workload(kind: str, tp: int, seed: int = 1, n: int = 24) -> Harness:
+    """``n`` requests, 30 % of them misbehaving (``kind``) on one random layer (all layers if slow)."""
+    rnd = random.Random(seed)
+    h = Harness(tp=tp, num_blocks=256, chunk=8)
+    try:
+        for i in range(n):
+            behaviour = kind if rnd.random() < 0.3 else "fast"
+            layers = None if kind == "slow" else frozenset([rnd.randint(0, 3)])
+            h.add(f"r{i}", rnd.randint(4, 24), rnd.randint(0, 2), behaviour, release_after=rnd.randint(1, 3), layers=layers)
+            h.step()
+        h.drain()
+    finally:
+        h.close()
+    return h
+
+
+def _summary(h: Harness) -> dict:
+    b = h.backend
+    return {
+        "stale_ready": len(b.stale_ready),
+        "finished": len(b.finished),
+        "failed": sum(1 for r in b.finished.values() if r != 0),
+        "never_finished": len(b.unfinished()),
+        "bad_reads": len(b.violations),
+        "leaked": h.leaked(),
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", ["slow", "fail", "raise"])
+def test_no_key_ready_with_an_unwritten_slot(patched, kind, tp):
+    h = _workload(kind, tp)
+    s = _summary(h)
+    print(f"\n{kind} tp={tp}: {s}")
+    assert s["finished"] > 0
+    assert h.backend.stale_ready == [], h.backend.stale_ready[:5]
+    assert s["never_finished"] == 0  # every allocated key ends finished: ready only if complete
+    assert s["bad_reads"] == 0 and s["leaked"] == 0 and h.held_blocks() == []
+    if kind == "slow":  # a late send still writes every slot of its own keys: nothing is lost
+        assert s["failed"] == 0
+
+
+def test_unpatched_publishes_keys_with_unwritten_slots(unpatched):
+    """vllm-ascend 0.25.1rc1 as released: a layer copy that raises leaves its slot unwritten and the
+    key is still finished with result 0 after the final layer."""
+    counts = {}
+    for tp in (1, 2):
+        h = _workload("raise", tp)
+        counts[tp] = _summary(h)
+        assert counts[tp]["stale_ready"] > 0
+    print(f"\nunpatched, raising layer copies: {counts}")
+
+
+def test_counted_in_status(patched):
+    before = send_integrity.counters()["incomplete_keys_failed"]
+    h = _workload("raise", 1)
+    failed = _summary(h)["failed"]
+    assert failed > 0
+    row = {st.name: st for st in ascend_layerwise_patch.status()}["send_integrity_copy"]
+    assert row.counters["incomplete_keys_failed"] - before > 0
+    assert set(row.counters) == {"stuck_sends", "stuck_sends_total", "incomplete_keys_failed"}
+
+
+# ------------------------------------------------------------------------------ stuck copies
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def warnings_naming(self, req_id: str) -> list[logging.LogRecord]:
+        return [r for r in self.records if r.levelno >= logging.WARNING and req_id in r.getMessage()]
+
+
+@pytest.fixture
+def vllm_log():
+    handler = _Records()
+    log = logging.getLogger("vllm")  # vLLM's logger (vllm-ascend logs through it) and this library's child
+    log.addHandler(handler)
+    yield handler
+    log.removeHandler(handler)
+
+
+HANG_S = 1.5  # the hung copy (~30 s scaled like save_kv_layer's wait, 10 s -> 30 ms, would be 0.09 s)
+
+
+def _hung_copy(h: Harness) -> tuple[set[int], list[set[int]], float]:
+    """Request "hung" finishes while its copy hangs; the engine keeps stepping for ``HANG_S``.
+    Returns the blocks held after its step, those held after each later step, and the wall start."""
+    h.add("hung", 8, decode_steps=0, behaviour="slow")
+    wall, start = time.time(), time.monotonic()
+    h.step()
+    assert h.reqs["hung"].state == "done"
+    held = set(h.held_blocks())
+    during = []
+    while time.monotonic() - start < HANG_S:
+        time.sleep(0.02)
+        h.step()  # no-forward steps (build_connector_worker_meta runs)
+        during.append(set(h.held_blocks()))
+    return held, during, wall
+
+
+def test_stuck_copy_warns_and_holds(patched, vllm_log, monkeypatch):
+    from harness_pool import TIME_SCALE
+
+    monkeypatch.setattr(send_integrity, "STUCK_AFTER_S", 10.0 * TIME_SCALE)  # save_kv_layer's wait, scaled
+    monkeypatch.setattr(send_integrity, "STUCK_REPEAT_S", 60.0 * TIME_SCALE)
+    total_before = send_integrity.counters()["stuck_sends_total"]
+    h = Harness(tp=1, num_blocks=32)
+    try:
+        held, during, started = _hung_copy(h)
+        hung_for = time.time() - started
+        stuck = send_integrity.counters()
+        first = vllm_log.warnings_naming("hung")
+        h.release("hung")
+        h.drain()
+    finally:
+        h.close()
+    assert held and all(d == held for d in during), "a block was freed while the stuck copy still reads it"
+    assert stuck["stuck_sends"] == 1 and stuck["stuck_sends_total"] == total_before + 1
+    assert first, "no WARNING named the stuck request"
+    # the first one right after save_kv_layer's own wait gave up, in the step that started the copy
+    assert first[0].created - started < 10.0 * TIME_SCALE + 0.5
+    assert "in flight for" in first[0].getMessage()
+    # repeated while stuck, at the lower rate
+    assert 2 <= len(first) <= 2 + hung_for / (60.0 * TIME_SCALE)
+    assert h.backend.violations == [] and h.held_blocks() == [] and h.leaked() == 0
+    assert send_integrity.counters()["stuck_sends"] == 0
+    print(f"\nhung copy {hung_for:.2f} s: {len(first)} warnings, first: {first[0].getMessage()}")
+
+
+def test_unpatched_stuck_copy_is_silent(unpatched, vllm_log):
+    h = Harness(tp=1, num_blocks=32)
+    try:
+        _hung_copy(h)
+        h.release("hung")
+        h.drain()
+    finally:
+        h.close()
+    assert vllm_log.warnings_naming("hung") == []

@@ -1,0 +1,252 @@
+"""Layerwise sends on the real engine objects: held blocks come back at idle, no pool key is ready
+with an unwritten layer, a hung copy is reported.
+
+Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's Scheduler and
+KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the byte-level
+MemCache of byte_store) and ``engine_loop`` (steps only while ``has_work()``, as EngineCoreProc).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+import ascend_layerwise_patch
+from ascend_layerwise_patch.patches import send_integrity
+from ascend_layerwise_patch.registry import APPLIED
+
+from support import PAIR
+
+PAIRS = ("v0251",)
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+from harness_pool import PoolInstance, _runtime, engine_loop, make_pool  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+PROMPTS = {f"r{i}": list(range(2000 + 100 * i, 2000 + 100 * i + n)) for i, n in enumerate((40, 56, 23, 70))}
+
+
+@pytest.fixture
+def patched():
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    reg.activate()
+    reg.apply_pending()
+    assert {st.state for st in reg.status() if st.group == send_integrity.GROUP} == {APPLIED}
+    yield
+    reg.activate()
+
+
+@pytest.fixture
+def unpatched():
+    _runtime()  # once per process: loads vLLM's general plugins, ours included (which activates)
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    yield
+    reg.activate()
+
+
+def _serve(inst: PoolInstance, slow_s: float = 0.0, prompts=PROMPTS, max_tokens: int = 3) -> dict:
+    """Add the requests and run EngineCoreProc's loop until it stops by itself. With ``slow_s``,
+    save copies wait on a gate that the loop opens ``slow_s`` after it started (past
+    save_kv_layer's wait, scaled to 30 ms): the last sends outlive their requests."""
+    gate = inst.pool.add_fault("gate", direction=0) if slow_s else None
+    for rid, prompt in prompts.items():
+        inst.add_request(rid, prompt, max_tokens=max_tokens)
+    marks: dict = {}
+    start = time.monotonic()
+
+    def on_step(_inst, so):
+        if not inst.scheduler.has_unfinished_requests():
+            marks.setdefault("last_finished", time.monotonic())
+        if gate is not None and time.monotonic() - start > slow_s:
+            gate.gate.set()
+
+    steps = engine_loop(inst, on_step=on_step, max_steps=100_000)
+    end = time.monotonic()
+    if gate is not None:
+        gate.gate.set()
+        time.sleep(0.2)  # the copies finish; nothing steps the engine any more
+    sched = inst.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    return {
+        "steps": steps,
+        "held": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        "open_events": len(sched.connector.connector_scheduler.sending_events),
+        "stopped_after_last_finished_s": round(end - marks.get("last_finished", start), 3),
+    }
+
+
+def _check_pool(pool, inst: PoolInstance) -> int:
+    """Store integrity: every ready key had every layer slot of its group written before it was
+    finished. Returns the number of ready keys."""
+    assert _gaps(pool, inst) == []
+    return len(pool.ready_keys())
+
+
+# ------------------------------------------------------------------------------ idle
+SLOW_S = 0.5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_idle_engine_returns_every_block(patched, tp):
+    pool = make_pool()
+    inst = PoolInstance(pool, tp=tp, kv_heads=2)
+    inst.scale_save_wait()
+    s = _serve(inst, slow_s=SLOW_S)
+    print(f"\ntp={tp}: {s}")
+    assert not inst.has_work()  # the loop stopped by itself
+    assert s["held"] == 0 and s["open_events"] == 0
+    assert s["stopped_after_last_finished_s"] < SLOW_S + 5.0  # bounded: seconds, not minutes
+    assert inst.scheduler.reset_prefix_cache(reset_running_requests=True) is True
+    assert _check_pool(pool, inst) > 0 and pool.violations == []
+
+
+def test_idle_without_push_work_pins_blocks(patched, monkeypatch):
+    """The lifetime group alone (has_pending_push_work left to vLLM's default): the loop stops with
+    send events still open, their blocks pinned, and a cache reset that preempts everything raises."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import AscendStoreConnector
+
+    monkeypatch.setattr(AscendStoreConnector, "has_pending_push_work", KVConnectorBase_V1.has_pending_push_work)
+    inst = PoolInstance(make_pool())
+    inst.scale_save_wait()
+    s = _serve(inst, slow_s=SLOW_S)
+    print(f"\nwithout has_pending_push_work: {s}")
+    assert s["held"] > 0 and s["open_events"] > 0
+    with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+        inst.scheduler.reset_prefix_cache(reset_running_requests=True)
+
+
+def test_unpatched_idle_pins_blocks(unpatched):
+    inst = PoolInstance(make_pool())
+    inst.scale_save_wait()
+    s = _serve(inst, slow_s=SLOW_S)
+    print(f"\nunpatched: {s}")
+    assert s["held"] > 0
+    with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+        inst.scheduler.reset_prefix_cache(reset_running_requests=True)
+
+
+# ------------------------------------------------------------------------------ integrity
+def _gdn_group(inst: PoolInstance) -> int:
+    return inst.group_of[inst.gdn_layers[0]]
+
+
+def _gaps(pool, inst: PoolInstance) -> list[str]:
+    """Ready keys with a layer slot that no successful copy wrote before the key was finished."""
+    gaps = []
+    for key in pool.ready_keys():
+        blob = pool.blobs[key]
+        layers = len(inst.kv_cache_config.kv_cache_groups[int(key.split("@")[1])].layer_names)
+        size = len(blob.data)
+        before = {off * layers // size for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at}
+        if before != set(range(layers)):
+            gaps.append(key)
+    return gaps
+
+
+def _faulty_save(kind: str, tp: int):
+    """Instance A saves four prompts; for each, one save copy of a GDN layer raises / fails. Then
+    instance B serves the same prompts from the pool. Returns the pool's state after A, and B."""
+    pool = make_pool()
+    a = PoolInstance(pool, name="A", tp=tp, kv_heads=2)
+    group = f"@{_gdn_group(a)}@"
+    injected = 0
+    for rid, prompt in PROMPTS.items():
+        fault = pool.add_fault(kind, direction=0, match=lambda key: group in key, times=1)
+        a.add_request(rid, prompt, max_tokens=1)
+        engine_loop(a)
+        injected += fault.hits
+    pool.clear_faults()
+    states = [blob.state for blob in pool.blobs.values()]
+    after_a = {
+        "faults": injected,
+        "ready": states.count("ready"),
+        "failed": states.count("failed"),
+        "never_finished": states.count("writing"),
+        "ready_with_gaps": len(_gaps(pool, a)),
+    }
+    b = PoolInstance(pool, name="B", tp=tp, kv_heads=2)
+    for rid, prompt in PROMPTS.items():
+        b.add_request(rid + "b", prompt + [5, 6, 7], max_tokens=1)
+    engine_loop(b)
+    after_a["wrong_reads_on_b"] = len(b.wrong_reads()) + len(b.wrong_reads(kind="attn"))
+    return pool, after_a
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", ["raise", "error"])
+def test_faulty_layer_never_ready(patched, kind, tp):
+    pool, s = _faulty_save(kind, tp)
+    print(f"\n{kind} tp={tp}: {s}")
+    assert s["faults"] > 0 and s["failed"] > 0
+    assert s["ready_with_gaps"] == 0 and s["never_finished"] == 0
+    assert s["wrong_reads_on_b"] == 0  # B never loaded an unwritten layer
+    assert pool.violations == []
+
+
+def test_unpatched_raising_layer_publishes_a_gap(unpatched):
+    _pool, s = _faulty_save("raise", 1)
+    print(f"\nunpatched raise: {s}")
+    assert s["ready_with_gaps"] > 0 and s["wrong_reads_on_b"] > 0
+
+
+# ------------------------------------------------------------------------------ hung copy
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+HANG_S = 13.0  # save_kv_layer waits 10 s (unscaled here)
+
+
+def test_hung_copy_on_the_engine(patched, monkeypatch):
+    monkeypatch.setattr(send_integrity, "STUCK_REPEAT_S", 1.0)
+    handler = _Records()
+    logging.getLogger("vllm").addHandler(handler)
+    pool = make_pool()
+    inst = PoolInstance(pool)
+    fault = pool.add_fault("gate", direction=0, times=1)
+    held: list[int] = []
+    t0, wall0 = time.monotonic(), time.time()
+
+    stuck_now: list[int] = []
+
+    def on_step(_inst, _so):
+        cs = inst.scheduler.connector.connector_scheduler
+        for ids in cs.sending_blocks.values():  # nothing the stuck send reads is free
+            assert all(cs._block_pool.blocks[i].ref_cnt > 0 for i in ids)
+        if time.monotonic() - t0 < HANG_S:
+            held.append(sum(len(b) for b in cs.sending_blocks.values()))
+            stuck_now.append(send_integrity.counters()["stuck_sends"])
+        else:
+            fault.gate.set()
+
+    try:
+        inst.add_request("hung", PROMPTS["r0"], max_tokens=1)
+        engine_loop(inst, on_step=on_step, max_steps=100_000)
+        stuck_seen = send_integrity.counters()
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+        fault.gate.set()
+    warnings = [r for r in handler.records if "hung" in r.getMessage() and "stuck" in r.getMessage()]
+    assert warnings, "no WARNING named the stuck request"
+    first_after = warnings[0].created - wall0
+    print(f"\nhung copy: {len(warnings)} warnings, the first after {first_after:.1f} s: {warnings[0].getMessage()}")
+    assert first_after < 10.0 + 2.0  # when save_kv_layer's own 10 s wait gives up
+    assert 2 <= len(warnings) <= 2 + HANG_S  # repeated while stuck, rate-limited
+    assert held[0] > 0 and set(held) == {held[0]}  # held, all of it, while stuck
+    assert stuck_now[-1] == 1  # counted in status() while stuck
+    assert not inst.has_work() and inst.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == (
+        inst.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    )
+    assert stuck_seen["stuck_sends"] == 0 and stuck_seen["stuck_sends_total"] >= 1
