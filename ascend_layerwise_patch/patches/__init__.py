@@ -68,10 +68,31 @@ imports nothing heavy at import time (factories import their targets' neighbours
             V2 caller still passes no out buffer.
    Remove:  when vllm-ascend's kernel takes state_dim_row_count_ptr and vLLM's V2 caller passes an
             out buffer (both detected: each patch then skips itself); at the latest with vLLM 0.26.
+
+** gdn_tp_keys ** (``gdn_tp_keys.py``)
+   Target:  ascend_store.pool_worker.KVPoolWorker.{_make_layerwise_gva_key,
+            _process_save_for_layer_batch, _alloc_gvas_for_save, _build_shared_save_data};
+            ascend_store.pool_scheduler.KVPoolScheduler._make_layerwise_gva_keys_for_hit_check.
+   Why:     at TP > KV heads the layerwise GVA path keys, saves and hit-checks GDN (align-state)
+            groups per KV head, as if ranks shared them: on a pool hit, ranks 1..put_step-1 of each
+            head group load the leader rank's GDN slice.
+   How:     for align-state groups with put_step > 1: key ``model@group@hash@tp<rank>``, every rank
+            saves its own slice (upstream's save code run on a put_step-1 view that leaves the
+            leader's groups alone), an empty final-layer save task finishes a non-leader's keys,
+            and a block is a hit only when all tp_size rank keys are ready. Full-attention keys
+            unchanged; old GDN keys are never asked for (misses).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
+   Remove:  when _make_layerwise_gva_key reads group_uses_align_state (detected: the group skips).
 """
 
 from __future__ import annotations
 
-from . import connector_guards, gdn_layerwise, mamba_lifetime, postprocess_kernel
+from . import connector_guards, gdn_layerwise, gdn_tp_keys, mamba_lifetime, postprocess_kernel
 
-SPECS = (*connector_guards.SPECS, *gdn_layerwise.SPECS, *mamba_lifetime.SPECS, *postprocess_kernel.SPECS)
+SPECS = (
+    *connector_guards.SPECS,
+    *gdn_layerwise.SPECS,
+    *mamba_lifetime.SPECS,
+    *postprocess_kernel.SPECS,
+    *gdn_tp_keys.SPECS,
+)
