@@ -83,11 +83,27 @@ imports nothing heavy at import time (factories import their targets' neighbours
             unchanged; old GDN keys are never asked for (misses).
    Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
    Remove:  when _make_layerwise_gva_key reads group_uses_align_state (detected: the group skips).
+
+** load_failures ** (``load_failures.py``)
+   Target:  ascend_store.pool_worker.KVPoolWorker.wait_for_layer_load;
+            KVCacheStoreLayerRecvingThread.{_handle_request, _batch_copy_with_limits} (through
+            pool_worker's name); vllm.v1.core.sched.scheduler.Scheduler._update_requests_with_invalid_blocks.
+   Why:     a layerwise load that fails, raises or times out is computed on and never reported;
+            vLLM 0.25's invalid-block handling cannot take a hybrid request's blocks (it raises),
+            so vllm-ascend does not report them.
+   How:     the receiving thread records failed copies (a raise is a failed copy); the worker reports
+            them, blocks without a GVA, and -- after a timed-out wait (WARNING) -- all of the step's
+            load blocks through get_block_ids_with_load_errors in the same step, abandons the
+            step's remaining loads and clears stale load events once the thread is idle; the
+            scheduler rolls a hybrid request back to the longest prefix every group (mamba state
+            included) can resume from. Recommended policy: kv_load_failure_policy=recompute.
+   Upstream: not fixed in vLLM 0.25.1 / vllm-ascend 0.25.1rc1 (0.26.0rc1 raises on a failed load).
+   Remove:  when both halves are fixed upstream (each detected: those specs skip themselves).
 """
 
 from __future__ import annotations
 
-from . import connector_guards, gdn_layerwise, gdn_tp_keys, mamba_lifetime, postprocess_kernel
+from . import connector_guards, gdn_layerwise, gdn_tp_keys, load_failures, mamba_lifetime, postprocess_kernel
 
 SPECS = (
     *connector_guards.SPECS,
@@ -95,4 +111,5 @@ SPECS = (
     *mamba_lifetime.SPECS,
     *postprocess_kernel.SPECS,
     *gdn_tp_keys.SPECS,
+    *load_failures.SPECS,
 )
