@@ -63,8 +63,10 @@ def rank_key(model_name: str, group_id: int, block_hash_hex: str, tp_rank: int) 
 
 
 def _per_rank(worker, group_id: int) -> bool:
+    if worker.put_step <= 1:
+        return False  # every rank keys its own blobs already (put_step 1): nothing changes
     align = worker.group_uses_align_state
-    return worker.put_step > 1 and group_id < len(align) and align[group_id]
+    return group_id < len(align) and align[group_id]
 
 
 # ------------------------------------------------------------------------------------- worker half
