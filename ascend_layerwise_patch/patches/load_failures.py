@@ -34,9 +34,9 @@ How      Worker: the receiving thread turns a copy that raises into a failed cop
          thread is idle again; then every stale load event is cleared, so no later step mistakes a
          late load's event for its own. Loads in later steps meanwhile are reported, not waited on.
          Scheduler: for a request of a hybrid coordinator (more than one KV cache group) the
-         rollback point is the longest prefix every group can resume from: no invalid block
-         before it in any group and, for mamba groups, a state block at that point that is
-         neither null nor invalid (or the start). Every group rolls back together; under ``fail``
+         rollback point is the longest prefix every group can resume from: before the first
+         invalid block of every group (later blocks may derive from it) and, for mamba groups,
+         with a state block at that point that is neither null nor invalid (or the start). Every group rolls back together; under ``fail``
          the blocks from that point on, in every group, are evicted from the prefix cache.
          Single-group schedulers run upstream's code unchanged.
 Policy   Use ``kv_load_failure_policy: recompute`` with a layerwise pool (vLLM's default is
@@ -261,10 +261,9 @@ def _resume_point(specs, block_ids, invalid: set[int], computed: int, mamba_cls)
     for spec, ids in zip(specs, block_ids):
         size = spec.block_size
         for idx, block in enumerate(ids[: -(-computed // size)]):
-            if block in invalid:
+            if block in invalid:  # it, and everything computed from it, must be recomputed
                 affected = True
-                if not isinstance(spec, mamba_cls):
-                    bound = min(bound, idx * size)
+                bound = min(bound, idx * size)
                 break
     if not affected:
         return None
