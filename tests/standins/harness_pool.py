@@ -1,4 +1,16 @@
-"""CPU harness for the lifetime of blocks read by vllm-ascend's layerwise KV pool sends.
+"""The pool harness: vLLM + vllm-ascend's layerwise KV pool on real objects, on a CPU.
+
+Two drivers live here:
+- :class:`PoolInstance` (second half of this file, with :func:`make_pool`, :func:`engine_loop`,
+  :class:`GDNRead`): the project's pool harness. vLLM's real ``Scheduler`` / KVCacheManager in
+  mamba align mode, the AscendStore connector's halves from ``KVConnectorFactory``, TP ranks as
+  worker halves in one process, the real layer threads, ``execute_model``'s order replayed, a
+  byte-level MemCache (``byte_store``). Its own docstring block says what is stood in for.
+- :class:`Harness` (below): the older block-lifetime driver, kept for test_mamba_lifetime.py.
+
+The rest of this docstring describes :class:`Harness`.
+
+CPU harness for the lifetime of blocks read by vllm-ascend's layerwise KV pool sends.
 
 Real objects: vLLM's ``BlockPool``, ``Request``, ``SchedulerOutput`` / ``NewRequestData`` /
 ``CachedRequestData`` / ``KVConnectorOutput``; vllm-ascend's ``KVPoolScheduler`` and ``KVPoolWorker``
@@ -491,3 +503,746 @@ class Harness:
 
     def close(self) -> None:
         self.backend.open_all_gates()
+
+
+# ==================================================================================================
+# The pool harness on real objects.
+#
+# ``Harness`` above (a fake scheduler loop over the real BlockPool and KVPoolScheduler/KVPoolWorker
+# methods) is kept, unchanged, for tests/standins/test_mamba_lifetime.py. What follows is the
+# project's pool harness; new tests use it:
+#
+#   pool = make_pool()                                   # a byte-level MemCache pool (byte_store)
+#   a = PoolInstance(pool, name="A")                     # one vLLM instance attached to it
+#   a.add_request("a", prompt); engine_loop(a)           # EngineCoreProc's loop
+#   b = PoolInstance(pool, name="B")                     # a second instance, same pool
+#   ...; b.wrong_reads("b")                              # what each GDN layer read, right or not
+#
+# Real: vLLM's ``Scheduler`` (``scheduler_config.get_scheduler_cls()``) with its KVCacheManager /
+# HybridKVCacheCoordinator in mamba ``align`` mode, with vllm-ascend's process-wide patches applied
+# as its platform plugin applies them (``load_general_plugins`` + ``pre_register_and_update`` ->
+# ``adapt_patch(is_global_patch=True)``; the worker patches as its NPU worker applies them,
+# ``adapt_patch()``); the AscendStore connector's scheduler and worker halves made by vLLM's
+# ``KVConnectorFactory`` from a ``kv_transfer_config`` (use_layerwise, MemCache backend), the
+# worker's ``register_kv_caches`` and the layer sending / receiving threads it starts; vLLM's
+# ``KVOutputAggregator``; ``NPUModelRunner.execute_model``'s order replayed with the functions
+# looked up where it looks them up (``handle_preemptions``, ``mamba_utils.preprocess_mamba``,
+# ``NPUModelRunner.maybe_get_kv_connector_output`` / ``kv_connector_no_forward``,
+# ``mamba_utils.do_mamba_copy_block``), each GDN layer entered through its (patched or not)
+# ``AscendGatedDeltaNetAttention._forward_core`` and saved by ``ops.gdn``'s
+# ``maybe_save_kv_layer_to_connector``, each attention layer through vLLM's
+# ``maybe_transfer_kv_layer``.
+#
+# Stood in for, and why:
+# - the model config is a tiny Qwen3-Next (``config.json`` in a temp dir, no weights, no hub);
+#   vLLM's model inspection subprocess gets the CPU stand-ins through a ``sitecustomize``;
+# - the KV cache specs are the harness's (``block_size`` tokens in every group, small states, the
+#   mamba page padded to the attention page): vllm-ascend's platform forces 128-token attention
+#   blocks for this model; the scheduler's block size is set the way EngineCore sets it (min of
+#   the groups' block sizes);
+# - MemCache: ``byte_store`` (real bytes, bounds-checked, faults, per-key write records);
+# - the NPU batch-copy kernel (``mamba_utils.batch_memcpy``, a Triton launcher on NPU): host
+#   ``memmove`` of the same (src, dst, size) rows, bounds-checked against the cache tensors;
+# - the NPU caches: host tensors laid out as vLLM lays out shared hybrid pages (one raw tensor per
+#   ``KVCacheTensor``, attention K/V and mamba conv/SSM views with the page as block stride);
+# - one process per TP rank: each rank's worker half is built while vllm-ascend's pool worker and
+#   MemCache backend see that rank's parallel state; each rank's step runs with its connector as
+#   the process's transfer group;
+# - the model's compute: a GDN layer "computes" when the original ``_forward_core`` first reads its
+#   state (``self.kv_cache[1]``): the harness records what the state block of each request holds
+#   (a :class:`GDNRead`), writes the state after this step's tokens, and stops the original there
+#   (the NPU kernels that follow cannot run on a CPU). Attention layers check their computed blocks
+#   and write the new ones the same way. Every state / KV block value names its content: "the
+#   state of layer L (TP slice R) after the first t tokens of this token sequence"
+#   (:func:`state_value`); a wrong read propagates (the layer writes a value derived from what it
+#   read), as a real model would compute on.
+# ==================================================================================================
+import ctypes as _ctypes  # noqa: E402
+import hashlib as _hashlib  # noqa: E402
+import json as _json  # noqa: E402
+import os as _os  # noqa: E402
+import tempfile as _tempfile  # noqa: E402
+from contextlib import contextmanager as _contextmanager  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+from types import SimpleNamespace as _NS  # noqa: E402
+
+import numpy as _np  # noqa: E402
+import torch as _torch  # noqa: E402
+
+import byte_store  # noqa: E402
+from byte_store import PoolService  # noqa: E402,F401
+
+_CHILD_SITE = _Path(__file__).resolve().parent / "child_site"
+_MODEL_DIRS: dict[tuple, str] = {}
+_MODEL_CONFIGS: dict[tuple, object] = {}
+_HOST_REGIONS: list[tuple[int, int]] = []  # every cache tensor of every rank (batch_memcpy bounds)
+_RT = _NS(ready=False)
+
+
+def make_pool() -> PoolService:
+    """A fresh byte-level MemCache pool; instances created with it share it."""
+    return PoolService()
+
+
+def state_value(tokens, layer: int, rank_key: int, nbytes: int) -> bytes:
+    """The content of layer ``layer``'s state (TP slice ``rank_key``) after ``tokens``."""
+    h = _hashlib.blake2b(_np.asarray(tokens, dtype=_np.int64).tobytes(), digest_size=16, person=b"alp-state")
+    h.update(f"{layer}/{rank_key}".encode())
+    d = h.digest()
+    return (d * (nbytes // len(d) + 1))[:nbytes]
+
+
+def next_token(tokens) -> int:
+    """The token every rank 'samples' after ``tokens`` (deterministic, same on every instance)."""
+    d = _hashlib.blake2b(_np.asarray(tokens, dtype=_np.int64).tobytes(), digest_size=4).digest()
+    return 10 + int.from_bytes(d, "little") % 50000
+
+
+def _runtime():
+    """Process-wide setup, once: plugins and vllm-ascend's patches as its platform applies them."""
+    if _RT.ready:
+        return _RT
+    from vllm.plugins import load_general_plugins
+    from vllm.platforms import current_platform
+
+    load_general_plugins()  # vllm-ascend's general plugin registers its KV connectors
+    current_platform.pre_register_and_update()  # adapt_patch(is_global_patch=True)
+    from vllm_ascend.utils import adapt_patch
+
+    adapt_patch()  # the worker patches, as NPUWorker applies them (patch_mamba_utils, ...)
+    import vllm_ascend.ops  # noqa: F401
+    import vllm_ascend.ops.gdn as gdn
+    from vllm.v1.worker import mamba_utils
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    try:  # execute_model's own module and class, where they import here
+        import vllm_ascend.worker.model_runner_v1 as runner_module
+
+        runner = runner_module.NPUModelRunner
+    except ImportError:  # the CPU venvs lack numba (EPLB): the same objects, found where they live
+        runner_module = _NS(mamba_utils=mamba_utils)  # model_runner_v1: from vllm.v1.worker import mamba_utils
+        runner = KVConnectorModelRunnerMixin  # NPUModelRunner inherits both methods unchanged
+
+    # The NPU batch-copy kernel (a Triton launcher): host memmove of the same rows.
+    mamba_utils.batch_memcpy = _host_batch_memcpy
+    _RT.gdn = gdn
+    _RT.runner_module = runner_module
+    _RT.runner = runner
+    _RT.ready = True
+    return _RT
+
+
+def _in_host_regions(addr: int, size: int) -> bool:
+    return any(start <= addr and addr + size <= start + n for start, n in _HOST_REGIONS)
+
+
+def _host_batch_memcpy(src_ptrs, dst_ptrs, sizes):
+    for src, dst, n in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()):
+        if not (_in_host_regions(src, n) and _in_host_regions(dst, n)):
+            raise AssertionError(f"batch_memcpy out of the cache tensors: {src:#x} -> {dst:#x} ({n} bytes)")
+        _ctypes.memmove(dst, src, n)
+
+
+def _model_dir(pattern: str, kv_heads: int) -> str:
+    key = (pattern, kv_heads)
+    if key not in _MODEL_DIRS:
+        d = _tempfile.mkdtemp(prefix="alp-qwen3next-")
+        types = ["linear_attention" if c == "G" else "full_attention" for c in pattern]
+        cfg = dict(
+            architectures=["Qwen3NextForCausalLM"],
+            model_type="qwen3_next",
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=len(pattern),
+            layer_types=types,
+            full_attention_interval=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            head_dim=16,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            vocab_size=65536,
+            max_position_embeddings=4096,
+            torch_dtype="bfloat16",
+        )
+        (_Path(d) / "config.json").write_text(_json.dumps(cfg))
+        _MODEL_DIRS[key] = d
+    return _MODEL_DIRS[key]
+
+
+def _model_config(pattern: str, kv_heads: int, max_model_len: int):
+    key = (pattern, kv_heads, max_model_len)
+    if key not in _MODEL_CONFIGS:
+        from vllm.config import ModelConfig
+
+        old = _os.environ.get("PYTHONPATH")
+        _os.environ["PYTHONPATH"] = _os.pathsep.join(p for p in (str(_CHILD_SITE), old) if p)
+        try:  # vLLM inspects the architecture in a subprocess: give it the CPU stand-ins too
+            _MODEL_CONFIGS[key] = ModelConfig(
+                model=_model_dir(pattern, kv_heads), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16"
+            )
+        finally:
+            if old is None:
+                _os.environ.pop("PYTHONPATH", None)
+            else:
+                _os.environ["PYTHONPATH"] = old
+    return _MODEL_CONFIGS[key]
+
+
+@_contextmanager
+def _process_of_rank(rank: int, tp: int):
+    """What vllm-ascend's pool worker and MemCache backend read of the process's parallel state."""
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_worker
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import memcache_backend
+
+    values = {
+        (pool_worker, "get_tensor_model_parallel_rank"): lambda: rank,
+        (pool_worker, "get_tensor_model_parallel_world_size"): lambda: tp,
+        (pool_worker, "get_pcp_group"): lambda: _NS(world_size=1, rank_in_group=0),
+        (pool_worker, "get_decode_context_model_parallel_world_size"): lambda: 1,
+        (pool_worker, "get_decode_context_model_parallel_rank"): lambda: 0,
+        (memcache_backend, "get_world_group"): lambda: _NS(local_rank=rank),
+        # an A3 node (no A2 bootstrap all-gather over the world group)
+        (memcache_backend, "get_ascend_device_type"): lambda: memcache_backend.AscendDeviceType.A3,
+    }
+    saved = {k: getattr(k[0], k[1]) for k in values}
+    for (mod, name), v in values.items():
+        setattr(mod, name, v)
+    try:
+        yield
+    finally:
+        for (mod, name), v in saved.items():
+            setattr(mod, name, v)
+
+
+@_contextmanager
+def _transfer_group(connector):
+    """The process's KV transfer group (what ensure_kv_transfer_initialized sets) for one rank."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    saved = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector
+    try:
+        yield
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = saved
+
+
+@dataclass
+class GDNRead:
+    """What a layer found in a request's block when it read it (GDN state, or an attention block)."""
+
+    instance: str
+    rank: int
+    step: int
+    req_id: str
+    layer: str
+    kind: str  # "gdn" | "attn"
+    block_index: int
+    block_id: int
+    expected: int  # tokens the content must cover
+    actual: int | str  # tokens it covers, or "null" / "zero" / "other"
+
+    @property
+    def ok(self) -> bool:
+        return self.actual == self.expected
+
+
+class _GDNComputed(Exception):
+    """Raised from the state read inside the original ``_forward_core``: the harness computed."""
+
+
+class _StateProbe(list):
+    """A GDN layer's ``kv_cache`` ([conv, ssm] views): reading an item inside the forward is the
+    layer starting to compute; iteration (the runner's copy helpers) is plain."""
+
+    def __init__(self, tensors, rank: "_Rank", layer_name: str):
+        super().__init__(tensors)
+        self.rank, self.layer_name = rank, layer_name
+
+    def __getitem__(self, index):
+        if self.rank.in_forward:
+            self.rank.gdn_compute(self.layer_name)
+            raise _GDNComputed(self.layer_name)
+        return super().__getitem__(index)
+
+
+class _AttentionLayer(_torch.nn.Module):
+    def __init__(self, kv_cache):
+        super().__init__()
+        self.kv_cache = kv_cache
+
+
+class _InputBatch:
+    """The runner's persistent batch, as far as the replayed functions read it."""
+
+    def __init__(self, max_num_reqs: int):
+        self.req_ids: list[str] = []
+        self.num_accepted_tokens_cpu = _np.ones(max_num_reqs, dtype=_np.int32)
+
+
+class _Rank:
+    """One TP rank: its caches, layers, worker connector half and runner state."""
+
+    def __init__(self, inst: "PoolInstance", rank: int):
+        rt = _runtime()
+        self.inst, self.rank = inst, rank
+        self.config = inst.configs[rank]
+        self.kv_cache_config = inst.kv_cache_config
+        self.in_forward = False
+        self.so = None
+        bs = inst.block_size
+        self.layers: dict[str, _torch.nn.Module] = {}
+        kv_caches: dict[str, object] = {}
+        nb = self.kv_cache_config.num_blocks
+        self._raw = []
+        for tensor in self.kv_cache_config.kv_cache_tensors:
+            align = 2 * 1024 * 1024  # vllm-ascend's register_kv_caches aligns regions down to 2 MiB
+            raw = _torch.zeros(tensor.size + align, dtype=_torch.uint8)
+            start = (-raw.data_ptr()) % align
+            raw = raw[start : start + tensor.size]
+            self._raw.append(raw)
+            _HOST_REGIONS.append((raw.data_ptr(), tensor.size))
+            inst.pool_register(raw)
+            for name in tensor.shared_by:
+                spec = inst.specs[name]
+                page = spec.page_size_bytes
+                if name in inst.gdn_layers:
+                    views, offset = [], 0
+                    for shape, dtype in zip(spec.shapes, spec.dtypes):
+                        esize = _torch.tensor([], dtype=dtype).element_size()
+                        inner = _np.prod(shape)
+                        base = raw.view(dtype)
+                        strides = [page // esize] + [int(_np.prod(shape[i + 1 :])) for i in range(len(shape))]
+                        views.append(base.as_strided((nb, *shape), tuple(strides), base.storage_offset() + offset // esize))
+                        offset += int(inner) * esize
+                    layer = rt.gdn.AscendGatedDeltaNetAttention.__new__(rt.gdn.AscendGatedDeltaNetAttention)
+                    _torch.nn.Module.__init__(layer)
+                    layer.prefix = name
+                    layer.kv_cache = _StateProbe(views, self, name)
+                    kv_caches[name] = layer.kv_cache
+                else:
+                    h, d = spec.num_kv_heads, spec.head_size
+                    base = raw.view(spec.dtype)
+                    esize = base.element_size()
+                    k = base.as_strided((nb, bs, h, d), (page // esize, h * d, d, 1), base.storage_offset())
+                    v = base.as_strided((nb, bs, h, d), (page // esize, h * d, d, 1), base.storage_offset() + page // 2 // esize)
+                    layer = _AttentionLayer((k, v))
+                    kv_caches[name] = (k, v)
+                self.layers[name] = layer
+        self.config.compilation_config.static_forward_context.update(self.layers)
+        self.kv_caches = kv_caches
+        self.connector = None
+        if inst.pool is not None:
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+            byte_store.install(inst.pool)
+            with _process_of_rank(rank, inst.tp):
+                self.connector = KVConnectorFactory.create_connector(
+                    config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config
+                )
+                self.connector.register_kv_caches(kv_caches)  # starts the layer sending / receiving threads
+        # runner state
+        from vllm.v1.worker import mamba_utils
+        from vllm.v1.utils import CpuGpuBuffer
+
+        self.requests: dict[str, object] = {}
+        self.mamba_state_idx: dict[str, int] = {}
+        self.input_batch = _InputBatch(inst.max_num_seqs)
+        make_buffer = lambda n, dtype: CpuGpuBuffer(n, dtype=dtype, device=_torch.device("cpu"), pin_memory=False)  # noqa: E731
+        self.mamba_bufs = mamba_utils.MambaBuffers.create(
+            max_num_reqs=inst.max_num_seqs,
+            kv_cache_config=self.kv_cache_config,
+            copy_funcs=inst.copy_funcs,
+            make_buffer=make_buffer,
+            device=_torch.device("cpu"),
+            with_postprocess_align=False,
+        )
+
+    # ------------------------------------------------------------------ values
+    def rank_key(self, layer: str) -> int:
+        """Which slice of the layer this rank holds: its own for GDN, its KV head's for attention."""
+        if layer in self.inst.gdn_layers:
+            return self.rank
+        return self.rank // max(1, self.inst.tp // self.inst.kv_heads)
+
+    def _tokens(self, st) -> list[int]:
+        return list(st.prompt_token_ids) + list(st.output_token_ids)
+
+    def _decode(self, raw: bytes, tokens, layer: int, key: int, block_id: int) -> int | str:
+        if block_id == 0:
+            return "null"
+        if not any(raw):
+            return "zero"
+        for t in range(len(tokens), -1, -1):
+            if state_value(tokens[:t], layer, key, len(raw)) == raw:
+                return t
+        return "other"
+
+    @staticmethod
+    def _block_bytes(tensors, block_id: int) -> bytes:
+        return b"".join(t[block_id].contiguous().view(_torch.uint8).numpy().tobytes() for t in tensors)
+
+    @staticmethod
+    def _write_block(tensors, block_id: int, value: bytes) -> None:
+        off = 0
+        for t in tensors:
+            view = t[block_id]
+            n = view.numel() * view.element_size()
+            src = _torch.frombuffer(bytearray(value[off : off + n]), dtype=_torch.uint8).view(view.dtype).view(view.shape)
+            view.copy_(src)
+            off += n
+
+    # ------------------------------------------------------------------ compute stand-ins
+    def gdn_compute(self, name: str) -> None:
+        inst, so = self.inst, self.so
+        layer = inst.layer_index[name]
+        group = inst.group_of[name]
+        tensors = list.__iter__(self.layers[name].kv_cache)
+        tensors = list(tensors)
+        key = self.rank_key(name)
+        bs = inst.block_size
+        for req_id in self.input_batch.req_ids:
+            st = self.requests[req_id]
+            tokens = self._tokens(st)
+            done, n = st.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            idx = (done + n - 1) // bs  # mamba_get_block_table_tensor (align): the block GDN reads and writes
+            block_id = st.block_ids[group][idx]
+            nbytes = sum(t[0].numel() * t[0].element_size() for t in tensors)
+            ok = True
+            if done > 0:  # has_initial_state
+                raw = self._block_bytes(tensors, block_id)
+                actual = self._decode(raw, tokens, layer, key, block_id)
+                inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, name, "gdn", idx, block_id, done, actual))
+                ok = actual == done
+            value = state_value(tokens[: done + n], layer, key, nbytes)
+            if not ok:  # computed on the wrong state: so is everything after
+                value = state_value([*tokens[: done + n], -1, *raw[:16]], layer, key, nbytes)
+            self._write_block(tensors, block_id, value)
+
+    def attention(self, query, layer_name):
+        inst, so = self.inst, self.so
+        layer = inst.layer_index[layer_name]
+        group = inst.group_of[layer_name]
+        k, v = self.layers[layer_name].kv_cache
+        key = self.rank_key(layer_name)
+        bs = inst.block_size
+        nbytes = k[0].numel() * k[0].element_size() * 2
+        for req_id in self.input_batch.req_ids:
+            st = self.requests[req_id]
+            tokens = self._tokens(st)
+            done, n = st.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            ok = True
+            for b in range(-(-done // bs)):
+                block_id = st.block_ids[group][b]
+                want = min((b + 1) * bs, done)
+                actual = self._decode(self._block_bytes((k, v), block_id), tokens, layer, key, block_id)
+                inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, layer_name, "attn", b, block_id, want, actual))
+                ok = ok and actual == want
+            end = done + n
+            for b in range(done // bs, -(-end // bs)):
+                upto = min((b + 1) * bs, end)
+                value = state_value(tokens[:upto], layer, key, nbytes) if ok else state_value([*tokens[:upto], -1], layer, key, nbytes)
+                self._write_block((k, v), st.block_ids[group][b], value)
+        return query
+
+    # ------------------------------------------------------------------ execute_model, replayed
+    def _update_states(self, so) -> None:
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                mm_features=[],
+                sampling_params=new.sampling_params,
+                generator=None,
+                block_ids=tuple(list(ids) for ids in new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=[],
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests[req_id]
+            st.num_computed_tokens = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = tuple(list(ids) for ids in new_ids)
+                st.output_token_ids = list(st.output_token_ids[: cached.num_output_tokens[i]])
+            elif new_ids is not None:
+                for ids, more in zip(st.block_ids, new_ids):
+                    ids.extend(more)
+        self.input_batch.req_ids = [r for r in so.num_scheduled_tokens if r in self.requests]
+        self.input_batch.num_accepted_tokens_cpu[:] = 1
+
+    def execute(self, so):
+        rt = _runtime()
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+        self.so = so
+        with _transfer_group(self.connector):
+            if self.connector is not None:
+                self.connector.handle_preemptions(so.kv_connector_metadata)
+            self._update_states(so)
+            if not so.total_num_scheduled_tokens:
+                if self.connector is None:
+                    return EMPTY_MODEL_RUNNER_OUTPUT
+                return rt.runner.kv_connector_no_forward(so, self.config)
+            bufs = self.mamba_bufs.preprocess
+            rt.runner_module.mamba_utils.preprocess_mamba(
+                so,
+                self.kv_cache_config,
+                self.config.cache_config,
+                self.mamba_state_idx,
+                self.input_batch,
+                self.requests,
+                self.config.compilation_config.static_forward_context,
+                self.inst.copy_funcs,
+                bufs,
+            )
+            metadata = {name: GDNAttentionMetadata(1, 1, 0, 0, 0, 0, 1) for name in self.inst.gdn_layers}
+            metadata.update({name: object() for name in self.inst.attn_layers})
+            defer = self.config.speculative_config is not None
+            with (
+                set_forward_context(metadata, self.config, slot_mapping={}),
+                rt.runner.maybe_get_kv_connector_output(so, defer_finalize=defer) as kv_output,
+            ):
+                rt.runner_module.mamba_utils.do_mamba_copy_block(bufs)
+                self._forward()
+        out_tokens = []
+        for req_id in self.input_batch.req_ids:
+            st = self.requests[req_id]
+            tokens = self._tokens(st)
+            end = st.num_computed_tokens + so.num_scheduled_tokens[req_id]
+            out_tokens.append([next_token(tokens[:end])] if end >= len(tokens) else [])
+        for req_id, toks in zip(self.input_batch.req_ids, out_tokens):
+            self.requests[req_id].output_token_ids.extend(toks)
+        return ModelRunnerOutput(
+            req_ids=list(self.input_batch.req_ids),
+            req_id_to_index={r: i for i, r in enumerate(self.input_batch.req_ids)},
+            sampled_token_ids=out_tokens,
+            kv_connector_output=kv_output,
+        )
+
+    def _forward(self) -> None:
+        rt = _runtime()
+        self.in_forward = True
+        try:
+            for name in self.inst.layer_order:
+                if name in self.inst.gdn_layers:
+                    t = _torch.zeros(1, 1)
+                    try:
+                        self.layers[name]._forward_core(t, t, t, t)
+                    except _GDNComputed:
+                        pass
+                    else:
+                        raise AssertionError(f"{name}: _forward_core returned without reading its state")
+                    rt.gdn.maybe_save_kv_layer_to_connector("", [])  # the original's own last line
+                else:
+                    self.inst.attention_op(_torch.zeros(1), name)
+        finally:
+            self.in_forward = False
+
+
+class PoolInstance:
+    """One vLLM instance (scheduler + ``tp`` worker ranks), attached to ``pool`` or to none.
+
+    ``pool=None``: no KV connector at all (plain prefix caching). ``block_size`` tokens per block in
+    every group; ``pattern``: one letter per layer, G = GDN, A = full attention (the last layer
+    should be attention, as in Qwen3.5 / Qwen3-Next); ``max_num_batched_tokens`` sets the chunk.
+    """
+
+    def __init__(
+        self,
+        pool: PoolService | None,
+        *,
+        name: str = "A",
+        pattern: str = "GAGA",
+        tp: int = 1,
+        kv_heads: int = 2,
+        block_size: int = 16,
+        num_blocks: int = 64,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 256,
+        max_model_len: int = 512,
+        layerwise: bool = True,
+        kv_role: str = "kv_both",
+        extra_config: dict | None = None,
+        num_speculative_blocks: int = 0,
+    ):
+        _runtime()
+        from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.utils.hashing import sha256 as _sha256
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_kv_cache_configs,
+            get_request_block_hasher,
+            init_none_hash,
+        )
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.pool, self.name, self.tp, self.kv_heads = pool, name, tp, kv_heads
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.pattern = pattern
+        model_config = _model_config(pattern, kv_heads, max_model_len)
+        extra = {"use_layerwise": layerwise, "backend": "memcache", **(extra_config or {})}
+
+        def config(rank: int) -> VllmConfig:
+            cfg = VllmConfig(
+                model_config=model_config,
+                cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, mamba_cache_mode="align"),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank),
+                scheduler_config=SchedulerConfig(
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    max_model_len=max_model_len,
+                    is_encoder_decoder=False,
+                    enable_chunked_prefill=True,
+                    async_scheduling=False,  # EngineCore.step (no batch queue)
+                ),
+                kv_transfer_config=(
+                    KVTransferConfig(kv_connector="AscendStoreConnector", kv_role=kv_role, kv_connector_extra_config=extra)
+                    if pool is not None
+                    else None
+                ),
+            )
+            cfg.cache_config.block_size = block_size  # as EngineCore sets it from the KV cache groups
+            return cfg
+
+        self.configs = [config(r) for r in range(tp)]
+        self.layer_order = [f"model.layers.{i}." + ("linear_attn" if c == "G" else "self_attn.attn") for i, c in enumerate(pattern)]
+        self.layer_index = {n: i for i, n in enumerate(self.layer_order)}
+        self.gdn_layers = [n for n in self.layer_order if "linear_attn" in n]
+        self.attn_layers = [n for n in self.layer_order if n not in self.gdn_layers]
+        kv_per_rank = max(1, kv_heads // tp)
+        attn = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_per_rank, head_size=16, dtype=_torch.bfloat16)
+        mamba = MambaSpec(
+            block_size=block_size,
+            shapes=((8, 3), (2, 4, 4)),
+            dtypes=(_torch.bfloat16, _torch.float32),
+            page_size_padded=attn.page_size_bytes,
+            mamba_type="gdn_attention",
+            mamba_cache_mode="align",
+            num_speculative_blocks=num_speculative_blocks,
+        )
+        self.specs = {n: (mamba if n in self.gdn_layers else attn) for n in self.layer_order}
+        group_size = max(len(self.gdn_layers), len(self.attn_layers))
+        memory = attn.page_size_bytes * num_blocks * group_size
+        worker_cfgs = get_kv_cache_configs(self.configs[0], [dict(self.specs)], [memory])
+        self.kv_cache_config = worker_cfgs[0]
+        sched_cfg = generate_scheduler_kv_cache_config(worker_cfgs)
+        self.group_of = {n: g for g, grp in enumerate(self.kv_cache_config.kv_cache_groups) for n in grp.layer_names}
+        model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+        self.copy_funcs = model_cls.get_mamba_state_copy_func()
+
+        if pool is not None:
+            byte_store.install(pool)
+        if not getattr(_RT, "none_hash", False):  # once: instances sharing a pool share PYTHONHASHSEED
+            init_none_hash(_sha256)
+            _RT.none_hash = True
+        self.hasher = get_request_block_hasher(block_size, _sha256)
+        cfg0 = self.configs[0]
+        for cfg in self.configs:  # EngineCore._initialize_kv_caches
+            cfg.cache_config.num_gpu_blocks = sched_cfg.num_blocks
+        self.scheduler = cfg0.scheduler_config.get_scheduler_cls()(
+            vllm_config=cfg0,
+            kv_cache_config=sched_cfg,
+            structured_output_manager=StructuredOutputManager(cfg0),
+            block_size=block_size,
+            hash_block_size=block_size,
+            log_stats=False,
+        )
+        self.reads: list[GDNRead] = []
+        self.steps = 0
+        self.outputs: dict[str, list[int]] = {}
+        self.ranks = [_Rank(self, r) for r in range(tp)]
+        self.aggregator = (
+            KVOutputAggregator.from_connector(self.scheduler.connector, tp) if self.scheduler.connector is not None else None
+        )
+
+        def attention(query, layer_name):
+            return self._current_rank.attention(query, layer_name)
+
+        self.attention_op = maybe_transfer_kv_layer(attention)
+        self._current_rank = self.ranks[0]
+
+    def pool_register(self, raw) -> None:
+        if self.pool is not None:
+            self.pool.register_region(raw.data_ptr(), raw.numel())
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req_id: str, prompt: list[int], max_tokens: int = 1):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, block_hasher=self.hasher)
+        self.scheduler.add_request(request)
+        return request
+
+    def has_work(self) -> bool:
+        """``EngineCoreProc.has_work`` for one engine without DP or a batch queue."""
+        return self.scheduler.has_requests()
+
+    def step(self):
+        """``EngineCore.step``: schedule, execute on every rank, aggregate, update. None if idle."""
+        if not self.scheduler.has_requests():
+            return None
+        so = self.scheduler.schedule()
+        outputs = []
+        for rank in self.ranks:
+            self._current_rank = rank
+            outputs.append(rank.execute(copy.deepcopy(so)))  # each worker deserializes its own copy
+        output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
+        for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
+            if toks:
+                self.outputs.setdefault(req_id, []).extend(toks)
+        self.scheduler.update_from_output(so, output)
+        self.steps += 1
+        return so
+
+    # ------------------------------------------------------------------ what was read
+    def reads_of(self, req_id: str | None = None, *, kind: str = "gdn", step: int | None = None) -> list[GDNRead]:
+        return [
+            r
+            for r in self.reads
+            if r.kind == kind and (req_id is None or r.req_id == req_id) and (step is None or r.step == step)
+        ]
+
+    def first_step_of(self, req_id: str) -> int | None:
+        steps = [r.step for r in self.reads if r.req_id == req_id]
+        return min(steps) if steps else None
+
+    def wrong_reads(self, req_id: str | None = None, *, kind: str = "gdn") -> list[GDNRead]:
+        return [r for r in self.reads_of(req_id, kind=kind) if not r.ok]
+
+
+def engine_loop(inst: PoolInstance, *, max_steps: int = 1000, on_step=None) -> int:
+    """Step ``inst`` exactly as ``EngineCoreProc.run_busy_loop`` does: only while it has work.
+
+    Returns the number of steps taken. ``on_step(inst, scheduler_output)`` runs after each step.
+    """
+    n = 0
+    while inst.has_work() and n < max_steps:
+        so = inst.step()
+        n += 1
+        if on_step is not None:
+            on_step(inst, so)
+        if so is not None and not so.total_num_scheduled_tokens and inst.has_work():
+            time.sleep(0.001)  # EngineCoreProc._process_engine_step: no model run, still has requests
+    return n

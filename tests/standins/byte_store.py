@@ -1,0 +1,279 @@
+"""A byte-level MemCache pool for the CPU harness, stood in at the module vllm-ascend imports.
+
+vllm-ascend's ``MemcacheBackend`` does ``from memcache_hybrid import DistributedObjectStore``
+(a client of a hardware/service pool); :func:`install` puts a ``memcache_hybrid`` module in
+``sys.modules`` whose ``DistributedObjectStore`` is a client of one :class:`PoolService`. Everything
+above that boundary (``MemcacheBackend``, the layer threads, ``KVPoolWorker`` / ``KVPoolScheduler``)
+is vllm-ascend's own code.
+
+What the service does, as MemCache's GVA API is used by the layerwise path:
+- ``batch_alloc(keys, sizes)``: one blob per new key (``MMC_DUPLICATED_OBJECT`` for a known key);
+  its GVA space is ``blob index << GVA_SHIFT``; the blob is *writing* (not visible) until finished.
+- ``batch_copy(gvas, addrs, sizes, direction)``: real bytes, ``ctypes.memmove`` between the blob and
+  host memory. Every range is bounds-checked: the GVA range must lie in its blob, the host range in
+  a region the harness registered (the host tensors standing for the NPU caches). A bad range is a
+  :class:`Violation` and the copy fails. Direction 0 (L2G) writes the blob, 1 (G2L) reads it.
+- ``batch_write_finish(keys, results)``: result 0 makes the key *ready*; anything else *failed*
+  (removed: a later lookup misses).
+- ``batch_get_key_info`` / ``batch_is_exist``: only ready keys have a size / exist.
+- ``batch_add_lease`` / ``batch_remove_lease``: counted, never refused for a ready key.
+
+Faults (:meth:`PoolService.add_fault`): a copy whose keys match can return an error, raise, or
+block on a gate (bounded by ``GATE_LIMIT_S``), in either direction, once or every time.
+
+Records, per key: every write (offset, size, time, ok), the finish (result, time), so tests can ask
+which layer slots were written before the key became ready (:meth:`PoolService.written_slots`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+GVA_SHIFT = 32
+GATE_LIMIT_S = 30.0  # a gated copy never waits longer than this (no hung tests)
+MMC_DUPLICATED_OBJECT = -3105
+MMC_NOT_FOUND = -3101
+L2G, G2L = 0, 1  # batch_copy directions: save (write the pool), load (read the pool)
+
+
+@dataclass
+class Blob:
+    key: str
+    gva: int
+    data: np.ndarray
+    state: str = "writing"  # writing | ready | failed
+    writes: list[tuple[int, int, float, bool]] = field(default_factory=list)
+    finished_at: float | None = None
+    result: int | None = None
+    leases: int = 0
+
+
+@dataclass
+class Fault:
+    """A copy touching a key for which ``match(key)`` holds gets ``kind``: error | raise | gate."""
+
+    kind: str
+    direction: int | None = None  # L2G, G2L or None (both)
+    match: Callable[[str], bool] = lambda key: True
+    times: int | None = None  # None: every matching copy; n: the next n
+    gate: threading.Event = field(default_factory=threading.Event)
+    hits: int = 0
+
+
+@dataclass
+class Violation:
+    kind: str  # "host-range" | "gva-range" | "unknown-gva"
+    detail: str
+
+
+class KeyInfo:
+    """What ``batch_get_key_info`` returns per key (MemCache's ``size()`` / ``gva_list()``)."""
+
+    def __init__(self, size: int, gva: int):
+        self._size, self._gva = size, gva
+
+    def size(self) -> int:
+        return self._size
+
+    def gva_list(self) -> list[int]:
+        return [self._gva] if self._size else []
+
+
+class PoolService:
+    """One MemCache pool, shared by every instance (scheduler and worker clients) attached to it."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.blobs: dict[str, Blob] = {}
+        self._by_index: dict[int, Blob] = {}
+        self._next = itertools.count(1)
+        self.regions: list[tuple[int, int]] = []  # host ranges a copy may touch
+        self.faults: list[Fault] = []
+        self.violations: list[Violation] = []
+        self.copies = {L2G: 0, G2L: 0}
+        self.bytes = {L2G: 0, G2L: 0}
+        self.copy_log: list[tuple[int, tuple[str, ...], int]] = []  # (direction, keys, result)
+
+    # ------------------------------------------------------------------ harness side
+    def register_region(self, ptr: int, size: int) -> None:
+        with self.lock:
+            self.regions.append((int(ptr), int(size)))
+
+    def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None) -> Fault:
+        assert kind in ("error", "raise", "gate"), kind
+        fault = Fault(kind, direction, match or (lambda key: True), times)
+        with self.lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear_faults(self) -> None:
+        with self.lock:
+            faults, self.faults = self.faults, []
+        for f in faults:
+            f.gate.set()
+
+    def ready_keys(self) -> list[str]:
+        with self.lock:
+            return [k for k, b in self.blobs.items() if b.state == "ready"]
+
+    def written_slots(self, key: str, num_slots: int) -> set[int]:
+        """Layer slots of ``key`` written by a successful copy (slot = offset * num_slots // size)."""
+        blob = self.blobs[key]
+        size = len(blob.data)
+        return {off * num_slots // size for off, _n, _t, ok in blob.writes if ok}
+
+    def read(self, key: str) -> bytes:
+        return self.blobs[key].data.tobytes()
+
+    # ------------------------------------------------------------------ MemCache API
+    def batch_alloc(self, keys, sizes) -> list[int]:
+        out = []
+        with self.lock:
+            for key, size in zip(keys, sizes):
+                blob = self.blobs.get(key)
+                if blob is not None and blob.state != "failed":
+                    out.append(MMC_DUPLICATED_OBJECT)
+                    continue
+                index = next(self._next)
+                blob = Blob(key, index << GVA_SHIFT, np.zeros(int(size), dtype=np.uint8))
+                self.blobs[key] = blob
+                self._by_index[index] = blob
+                out.append(blob.gva)
+        return out
+
+    def batch_write_finish(self, keys, results) -> list[int]:
+        now = time.monotonic()
+        with self.lock:
+            for key, res in zip(keys, results):
+                blob = self.blobs.get(key)
+                if blob is None:
+                    continue
+                blob.result, blob.finished_at = int(res), now
+                blob.state = "ready" if res == 0 else "failed"
+        return [0] * len(keys)
+
+    def batch_get_key_info(self, keys) -> list[KeyInfo]:
+        with self.lock:
+            return [
+                KeyInfo(len(b.data), b.gva) if (b := self.blobs.get(k)) is not None and b.state == "ready" else KeyInfo(0, 0)
+                for k in keys
+            ]
+
+    def batch_is_exist(self, keys) -> list[int]:
+        with self.lock:
+            return [int((b := self.blobs.get(k)) is not None and b.state == "ready") for k in keys]
+
+    def batch_add_lease(self, keys, lease_ttl_ms=0) -> list[int]:
+        with self.lock:
+            out = []
+            for k in keys:
+                b = self.blobs.get(k)
+                if b is None or b.state != "ready":
+                    out.append(MMC_NOT_FOUND)
+                else:
+                    b.leases += 1
+                    out.append(0)
+            return out
+
+    def batch_remove_lease(self, keys) -> int:
+        with self.lock:
+            for k in keys:
+                if (b := self.blobs.get(k)) is not None and b.leases:
+                    b.leases -= 1
+        return 0
+
+    def batch_copy(self, gvas, addrs, sizes, direction) -> int:
+        with self.lock:
+            targets = []
+            for gva, addr, size in zip(gvas, addrs, sizes):
+                blob = self._by_index.get(int(gva) >> GVA_SHIFT)
+                if blob is None:
+                    self.violations.append(Violation("unknown-gva", f"gva={gva:#x}"))
+                    return MMC_NOT_FOUND
+                targets.append((blob, int(gva) - blob.gva, int(addr), int(size)))
+            keys = tuple(dict.fromkeys(b.key for b, *_ in targets))
+            faults = [
+                f
+                for f in self.faults
+                if (f.direction is None or f.direction == direction)
+                and (f.times is None or f.hits < f.times)
+                and any(f.match(k) for k in keys)
+            ]
+            for f in faults:
+                f.hits += 1
+        for f in faults:
+            if f.kind == "gate":
+                f.gate.wait(GATE_LIMIT_S)
+        kinds = {f.kind for f in faults}
+        if "raise" in kinds:
+            self._log(direction, keys, -2)
+            raise RuntimeError("byte store: copy raised (injected)")
+        if "error" in kinds:
+            self._log(direction, keys, -1)
+            return -1
+        now = time.monotonic()
+        with self.lock:
+            for blob, off, addr, size in targets:
+                if off < 0 or off + size > len(blob.data):
+                    self.violations.append(Violation("gva-range", f"{blob.key} [{off}, {off + size}) of {len(blob.data)}"))
+                    self._log(direction, keys, -1)
+                    return -1
+                if not any(start <= addr and addr + size <= start + n for start, n in self.regions):
+                    self.violations.append(Violation("host-range", f"{addr:#x}+{size} for {blob.key}"))
+                    self._log(direction, keys, -1)
+                    return -1
+            for blob, off, addr, size in targets:
+                pool_addr = blob.data.ctypes.data + off
+                if direction == L2G:
+                    ctypes.memmove(pool_addr, addr, size)
+                    blob.writes.append((off, size, now, True))
+                else:
+                    ctypes.memmove(addr, pool_addr, size)
+                self.bytes[direction] += size
+            self.copies[direction] += 1
+        self._log(direction, keys, 0)
+        return 0
+
+    def _log(self, direction, keys, res) -> None:
+        with self.lock:
+            self.copy_log.append((direction, keys, res))
+
+
+class DistributedObjectStore:
+    """``memcache_hybrid.DistributedObjectStore``: a client of the installed :class:`PoolService`."""
+
+    service: PoolService | None = None  # set by install()
+
+    def __init__(self):
+        assert self.service is not None, "byte_store.install(service) first"
+        self._svc = self.service
+
+    def init(self, local_rank, init_bm=True) -> int:
+        return 0
+
+    def register_buffer(self, ptr, size) -> None:
+        self._svc.register_region(ptr, size)
+
+    def __getattr__(self, name):
+        if name.startswith("batch_"):
+            return getattr(self._svc, name)
+        raise AttributeError(name)
+
+
+def install(service: PoolService) -> None:
+    """Make ``service`` the pool that MemCache clients created from now on talk to."""
+    module = sys.modules.get("memcache_hybrid")
+    if module is None:
+        module = types.ModuleType("memcache_hybrid")
+        module.DistributedObjectStore = DistributedObjectStore
+        sys.modules["memcache_hybrid"] = module
+    DistributedObjectStore.service = service

@@ -1,0 +1,86 @@
+"""Smoke test of the pool harness (tests/standins/harness_pool.py, the ``PoolInstance`` part).
+
+Real vLLM 0.25.1 Scheduler / KVCacheManager (align mode) + vllm-ascend's AscendStore connector
+halves from KVConnectorFactory + real layer threads, over the byte-level MemCache stand-in.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import PAIR
+
+PAIRS = ("v0251",)
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+from harness_pool import PoolInstance, engine_loop, make_pool, next_token  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+PROMPT = list(range(1000, 1040))  # 40 tokens: 2 full 16-token blocks + 8
+
+
+def test_save_then_pool_hit_on_a_second_instance():
+    pool = make_pool()
+    a = PoolInstance(pool, name="A")
+    a.add_request("a", PROMPT, max_tokens=2)
+    steps = engine_loop(a)
+    assert not a.has_work() and steps >= 2
+    # the instance generated what the stand-in model samples, one token per step after the prompt
+    first = next_token(PROMPT)
+    assert a.outputs["a"] == [first, next_token(PROMPT + [first])]
+    # A computed from its own states: every layer read what it had written
+    assert a.reads_of("a") and a.wrong_reads("a") == [] and a.wrong_reads("a", kind="attn") == []
+    # the pool holds the two full blocks of both groups, finished, every layer slot written
+    ready = pool.ready_keys()
+    assert len(ready) == 4, ready
+    for key in ready:
+        group = int(key.split("@")[1])
+        layers = len(a.kv_cache_config.kv_cache_groups[group].layer_names)
+        assert pool.written_slots(key, layers) == set(range(layers)), key
+    assert pool.violations == []
+
+    b = PoolInstance(pool, name="B")  # empty HBM, same pool
+    b.add_request("b", PROMPT[:32] + [7, 8, 9, 10, 11], max_tokens=1)
+    engine_loop(b)
+    loads = [keys for direction, keys, res in pool.copy_log if direction == 1 and res == 0]
+    assert loads, "B loaded nothing from the pool"
+    first_step = b.first_step_of("b")
+    attn = b.reads_of("b", kind="attn", step=first_step)
+    assert attn and all(r.expected == 32 for r in attn if r.block_index == 1)
+    assert b.wrong_reads("b", kind="attn") == []  # full attention KV came from the pool
+    gdn = b.reads_of("b", step=first_step)
+    assert {r.layer for r in gdn} == set(b.gdn_layers) and all(r.expected == 32 for r in gdn)
+    assert pool.violations == []
+
+
+def test_local_prefix_hit_without_a_connector():
+    """The control: no KV connector at all; vLLM's own prefix cache serves B's first 32 tokens."""
+    inst = PoolInstance(None, name="local")
+    inst.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(inst)
+    inst.add_request("b", PROMPT[:32] + [7, 8, 9, 10, 11], max_tokens=1)
+    engine_loop(inst)
+    first_step = inst.first_step_of("b")
+    gdn = inst.reads_of("b", step=first_step)
+    assert gdn and all(r.expected == 32 for r in gdn)
+    assert inst.wrong_reads("b") == [] and inst.wrong_reads("b", kind="attn") == []
+
+
+def test_tensor_parallel_ranks_and_faults():
+    """TP=2 (one KV head): two worker halves in one process; an injected load error is seen."""
+    pool = make_pool()
+    a = PoolInstance(pool, name="A", tp=2, kv_heads=1)
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    assert a.wrong_reads("a") == [] and {r.rank for r in a.reads_of("a")} == {0, 1}
+    assert len(pool.ready_keys()) == 4  # 2 blocks x 2 groups; one KV head: the leader rank's keys
+
+    fault = pool.add_fault("error", direction=1, times=1)
+    b = PoolInstance(pool, name="B", tp=2, kv_heads=1)
+    b.add_request("b", PROMPT[:32] + [7, 8, 9, 10, 11], max_tokens=1)
+    engine_loop(b)
+    assert fault.hits == 1
+    assert [res for direction, _keys, res in pool.copy_log if direction == 1].count(-1) == 1
+    assert {r.rank for r in b.reads_of("b")} == {0, 1}
