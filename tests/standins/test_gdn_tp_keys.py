@@ -8,6 +8,8 @@ rank that starts from another rank's slice reads a wrong state (``PoolInstance.w
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import ascend_layerwise_patch
@@ -35,7 +37,7 @@ def _set(on: bool) -> None:
     GDN keying with everything else this library fixes in place, so only this group's effect shows."""
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
-    reg.activate(environ={} if on else {"ASCEND_LAYERWISE_PATCH_SKIP": gdn_tp_keys.GROUP})
+    reg.activate(environ=dict(os.environ) if on else {**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": gdn_tp_keys.GROUP})
     states = {st.state for st in reg.status() if st.name in _NAMES}
     assert states == ({APPLIED} if on else {SKIPPED}), reg.status()
 
