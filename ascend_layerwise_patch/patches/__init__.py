@@ -90,6 +90,37 @@ imports nothing heavy at import time (factories import their targets' neighbours
             V2 caller still passes no out buffer.
    Remove:  when vllm-ascend's kernel takes state_dim_row_count_ptr and vLLM's V2 caller passes an
             out buffer (both detected: each patch then skips itself); at the latest with vLLM 0.26.
+
+** gdn_tp_keys ** (``gdn_tp_keys.py``)
+   Target:  ascend_store.pool_worker.KVPoolWorker.{_make_layerwise_gva_key,
+            _process_save_for_layer_batch, _alloc_gvas_for_save, _build_shared_save_data};
+            ascend_store.pool_scheduler.KVPoolScheduler._make_layerwise_gva_keys_for_hit_check.
+   Why:     at TP > KV heads the layerwise GVA path keys, saves and hit-checks GDN (align-state)
+            groups per KV head, as if ranks shared them: on a pool hit, ranks 1..put_step-1 of each
+            head group load the leader rank's GDN slice.
+   How:     for align-state groups with put_step > 1: key ``model@group@hash@tp<rank>``, every rank
+            saves its own slice (upstream's save code run on a put_step-1 view that leaves the
+            leader's groups alone), an empty final-layer save task finishes a non-leader's keys,
+            and a block is a hit only when all tp_size rank keys are ready. Full-attention keys
+            unchanged; old GDN keys are never asked for (misses).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
+   Remove:  when _make_layerwise_gva_key reads group_uses_align_state (detected: the group skips).
+
+** load_failures ** (``load_failures.py``)
+   Target:  ascend_store.pool_worker.KVPoolWorker.wait_for_layer_load;
+            KVCacheStoreLayerRecvingThread.{_handle_request, _batch_copy_with_limits} (through
+            pool_worker's name); vllm.v1.core.sched.scheduler.Scheduler._update_requests_with_invalid_blocks.
+   Why:     a layerwise load that fails, raises or times out is computed on and never reported;
+            vLLM 0.25's invalid-block handling cannot take a hybrid request's blocks (it raises),
+            so vllm-ascend does not report them.
+   How:     the receiving thread records failed copies (a raise is a failed copy); the worker reports
+            them, blocks without a GVA, and -- after a timed-out wait (WARNING) -- all of the step's
+            load blocks through get_block_ids_with_load_errors in the same step, abandons the
+            step's remaining loads and clears stale load events once the thread is idle; the
+            scheduler rolls a hybrid request back to the longest prefix every group (mamba state
+            included) can resume from. Recommended policy: kv_load_failure_policy=recompute.
+   Upstream: not fixed in vLLM 0.25.1 / vllm-ascend 0.25.1rc1 (0.26.0rc1 raises on a failed load).
+   Remove:  when both halves are fixed upstream (each detected: those specs skip themselves).
 """
 
 from __future__ import annotations
@@ -97,6 +128,8 @@ from __future__ import annotations
 from . import (
     connector_guards,
     gdn_layerwise,
+    gdn_tp_keys,
+    load_failures,
     mamba_lifetime,
     mamba_local_hit,
     mamba_pool_hit,
@@ -114,4 +147,6 @@ SPECS = (
     *postprocess_kernel.SPECS,
     *mamba_local_hit.SPECS,
     *mamba_pool_hit.SPECS,
+    *gdn_tp_keys.SPECS,
+    *load_failures.SPECS,
 )

@@ -934,6 +934,16 @@ class _Rank:
             view.copy_(src)
             off += n
 
+    def content(self, req_id: str, layer_name: str, block_index: int) -> int | str:
+        """What this rank's block ``block_index`` of ``req_id`` holds for ``layer_name`` now: the
+        tokens its value covers (this rank's slice), or "null" / "zero" / "other". Valid while the
+        runner still has the request (until the step after it finishes)."""
+        st = self.requests[req_id]
+        block_id = st.block_ids[self.inst.group_of[layer_name]][block_index]
+        tensors = list(list.__iter__(self.layers[layer_name].kv_cache)) if layer_name in self.inst.gdn_layers else self.layers[layer_name].kv_cache
+        raw = self._block_bytes(tensors, block_id)
+        return self._decode(raw, self._tokens(st), self.inst.layer_index[layer_name], self.rank_key(layer_name), block_id)
+
     # ------------------------------------------------------------------ compute stand-ins
     def gdn_compute(self, name: str) -> None:
         inst, so = self.inst, self.so

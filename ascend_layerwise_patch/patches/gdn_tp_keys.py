@@ -1,0 +1,274 @@
+"""GDN state in the layerwise pool is keyed, saved and loaded per tensor-parallel rank.
+
+Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
+         pool_worker.KVPoolWorker._make_layerwise_gva_key, ._process_save_for_layer_batch,
+         ._alloc_gvas_for_save, ._build_shared_save_data                        (worker half)
+         pool_scheduler.KVPoolScheduler._make_layerwise_gva_keys_for_hit_check   (scheduler half)
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). vllm-ascend 0.26.0rc1
+         still has the same code.
+Why      When tensor parallel exceeds the model's KV heads (Qwen3-Next: 2 KV heads, TP 4 or 8),
+         ``KVPoolWorker`` sets ``put_step = tp_size // num_kv_heads`` and keys every layerwise GVA
+         blob by ``head_or_tp_rank = tp_rank // put_step``; only ranks with
+         ``tp_rank % put_step == 0`` save, and the scheduler's hit check asks for
+         ``tp_size // put_step`` keys per block. Right for full attention (those ranks hold the
+         same KV heads), wrong for GDN / mamba state, which every rank holds a different slice of
+         (``_init_metadata`` already keys the non-layerwise path by ``tp_rank`` for align-state
+         groups). On a pool hit, ranks ``1..put_step-1`` of each head group load the leader rank's
+         GDN slice: every GDN layer of those ranks starts from another rank's state.
+How      For the groups that hold align state (``group_uses_align_state`` on the worker,
+         ``mamba_group_ids`` on the scheduler), and only when ``put_step > 1``:
+         - the key is ``model@group@hash@tp<tp_rank>`` (own rank, and a new rank field -- see below);
+         - every rank saves its own slice: upstream's save methods run on a view of the worker
+           with ``put_step`` 1 (so none of them returns early), in which the keys of the groups
+           the leader saves count as already allocated (so a non-leader allocates only its own
+           GDN keys, never a second copy of the shared attention keys);
+         - the hit check asks for all ``tp_size`` per-rank keys of such a group's block, so a
+           block is a hit only when every rank's slice is ready.
+         Keys become ready (``batch_write_finish``) only when the sending thread reaches the
+         model's final layer, which is a full-attention layer that non-leader ranks do not save:
+         when a rank allocated keys in a step but queues nothing at the final layer,
+         ``_build_shared_save_data`` adds an empty save task there (no blocks, only the step's
+         keys), so the thread finishes them after the rank's last real copy.
+         Full-attention groups, single-group models and ``put_step == 1`` are left exactly as they
+         are: their keys are byte-identical, existing pools stay valid.
+GDN keys already in a pool
+         were written by leader ranks only, under ``@<head_or_tp_rank>``; for ``put_step > 1`` the
+         new keys carry ``@tp<rank>``, so none of the old GDN keys is ever asked for: they count
+         as misses (never as another rank's hit) and age out of MemCache. The first request of a
+         prefix after the upgrade therefore misses, recomputes and saves per-rank GDN keys; its
+         attention keys already exist, so upstream logs ``alloc_gvas FAIL`` for them once (its
+         usual answer to an existing key) and keeps the existing blobs.
+Removal  When vllm-ascend keys layerwise align-state groups per TP rank itself (detected: the
+         whole group skips itself if ``_make_layerwise_gva_key`` reads ``group_uses_align_state``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from ..registry import PatchSpec
+from .mamba_lifetime import _expects, _source
+
+VLLM = ">=0.25.0,<0.26"
+VLLM_ASCEND = ">=0.25.1,<0.26"
+GROUP = "gdn_tp_keys"
+STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
+RISK = "GDN state keyed per KV head: at TP > KV heads, ranks load another rank's GDN slice on a pool hit"
+
+
+def rank_key(model_name: str, group_id: int, block_hash_hex: str, tp_rank: int) -> str:
+    """The layerwise GVA key of one TP rank's slice of an align-state (GDN) group's block."""
+    return f"{model_name}@{group_id}@{block_hash_hex}@tp{tp_rank}"
+
+
+def _per_rank(worker, group_id: int) -> bool:
+    if worker.put_step <= 1:
+        return False  # every rank keys its own blobs already (put_step 1): nothing changes
+    align = worker.group_uses_align_state
+    return group_id < len(align) and align[group_id]
+
+
+# ------------------------------------------------------------------------------------- worker half
+def make_key(original):
+    @functools.wraps(original)
+    def _make_layerwise_gva_key(self, group_id, block_hash_hex):
+        if _per_rank(self, group_id):
+            return rank_key(self.model_name, group_id, block_hash_hex, self.tp_rank)
+        return original(self, group_id, block_hash_hex)
+
+    return _make_layerwise_gva_key
+
+
+class _LeaderKeysTaken:
+    """The worker's GVA cache as a non-leader rank sees it while saving: keys of groups only the
+    leader rank saves count as present, so upstream's save code allocates nothing for them."""
+
+    __slots__ = ("cache", "prefixes")
+
+    def __init__(self, cache: dict, prefixes: tuple[str, ...]):
+        self.cache, self.prefixes = cache, prefixes
+
+    def __contains__(self, key) -> bool:
+        return key.startswith(self.prefixes) or key in self.cache
+
+    def get(self, key, default=None):
+        return self.cache.get(key, default)
+
+    def __setitem__(self, key, value) -> None:
+        self.cache[key] = value
+
+
+class _AsSaver:
+    """A non-leader worker seen as one that saves (``put_step`` 1), for its align-state groups only.
+
+    Everything else -- attributes, methods (bound to the real worker), writes -- is the worker's."""
+
+    put_step = 1
+
+    def __init__(self, worker):
+        leader_only = tuple(
+            f"{worker.model_name}@{g}@" for g in range(worker.num_kv_cache_groups) if not _per_rank(worker, g)
+        )
+        object.__setattr__(self, "_worker", worker)
+        object.__setattr__(self, "_allocated_gvas", _LeaderKeysTaken(worker._allocated_gvas, leader_only))
+
+    def __getattr__(self, name):
+        return getattr(self._worker, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._worker, name, value)
+
+
+def _non_leader(worker) -> bool:
+    return worker.put_step > 1 and worker.tp_rank % worker.put_step != 0
+
+
+def make_process_save(original):
+    @functools.wraps(original)
+    def _process_save_for_layer_batch(self, requests, layer_id, group_id=0, layer_idx_in_group=0):
+        if _non_leader(self) and _per_rank(self, group_id):
+            return original(_AsSaver(self), requests, layer_id, group_id, layer_idx_in_group)
+        return original(self, requests, layer_id, group_id, layer_idx_in_group)
+
+    return _process_save_for_layer_batch
+
+
+def make_alloc(original):
+    @functools.wraps(original)
+    def _alloc_gvas_for_save(self, requests):
+        if _non_leader(self) and any(_per_rank(self, g) for g in range(self.num_kv_cache_groups)):
+            return original(_AsSaver(self), requests)
+        return original(self, requests)
+
+    return _alloc_gvas_for_save
+
+
+def make_build_shared(original):
+    shared_cls = importlib.import_module(f"{STORE}.config_data").SharedBlockData
+    task_cls = original.__globals__["LayerTransferTask"]
+
+    @functools.wraps(original)
+    def _build_shared_save_data(self):
+        original(self)
+        final = self.layer_save_tasks[self.num_layers - 1]
+        if any(t.shared_block_data is not None for t in final):
+            return
+        keys: dict[str, None] = {}
+        group_id = None
+        for tasks in self.layer_save_tasks:
+            for task in tasks:
+                if task.shared_block_data is not None and task.shared_block_data.save_keys:
+                    keys.update(dict.fromkeys(task.shared_block_data.save_keys))
+                    group_id = task.group_id
+        if not keys:
+            return
+        import numpy as np
+
+        empty = np.zeros(0, dtype=np.int64)
+        finish = shared_cls(empty, empty, [], [], save_keys=list(keys))
+        final.append(task_cls(layer_id=self.num_layers - 1, block_ranges=[], shared_block_data=finish, group_id=group_id))
+
+    return _build_shared_save_data
+
+
+# ---------------------------------------------------------------------------------- scheduler half
+def make_hit_keys(original):
+    @functools.wraps(original)
+    def _make_layerwise_gva_keys_for_hit_check(self, group_id, block_hash_hex):
+        if self.put_step > 1 and group_id in self.mamba_group_ids:
+            return [rank_key(self.model_name, group_id, block_hash_hex, r) for r in range(self.tp_size)]
+        return original(self, group_id, block_hash_hex)
+
+    return _make_layerwise_gva_keys_for_hit_check
+
+
+# ----------------------------------------------------------------------------- checks on targets
+def _upstream_keys_per_rank(_original) -> str | None:
+    worker = importlib.import_module(f"{STORE}.pool_worker").KVPoolWorker
+    if "group_uses_align_state" in _source(worker._make_layerwise_gva_key):
+        return "KVPoolWorker._make_layerwise_gva_key keys align-state groups itself"
+    return None
+
+
+def _worker_ok(params, needs=(), globals_=()):
+    check = _expects(params, needs=needs, globals_=globals_)
+
+    def checked(original) -> str | None:
+        problem = check(original)
+        if problem:
+            return problem
+        worker = original.__globals__.get("KVPoolWorker")
+        if worker is None or "group_uses_align_state" not in _source(worker._init_metadata):
+            return "KVPoolWorker no longer records group_uses_align_state"
+        return None
+
+    return checked
+
+
+def _scheduler_ok(original) -> str | None:
+    problem = _expects(["self", "group_id", "block_hash_hex"], needs=("put_step",))(original)
+    if problem:
+        return problem
+    scheduler = original.__globals__.get("KVPoolScheduler")
+    if scheduler is None or "mamba_group_ids" not in _source(scheduler.__init__):
+        return "KVPoolScheduler no longer records mamba_group_ids"
+    return None
+
+
+def _with_risk(check):
+    def checked(original) -> str | None:
+        problem = check(original)
+        return f"{problem}; {RISK}" if problem else None
+
+    return checked
+
+
+def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
+    return PatchSpec(
+        name=name,
+        group=GROUP,
+        target=f"{STORE}.{target}",
+        factory=factory,
+        why="GDN (align-state) groups are keyed, saved and loaded per TP rank in the layerwise pool",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_with_risk(precondition),
+        fixed_upstream=_upstream_keys_per_rank,
+    )
+
+
+_SAVE_NEEDS = ("self.put_step", "_make_layerwise_gva_key", "_allocated_gvas")
+
+SPECS = (
+    _spec(
+        "gdn_tp_key",
+        "pool_worker:KVPoolWorker._make_layerwise_gva_key",
+        make_key,
+        _worker_ok(["self", "group_id", "block_hash_hex"], needs=("head_or_tp_rank",)),
+    ),
+    _spec(
+        "gdn_tp_save",
+        "pool_worker:KVPoolWorker._process_save_for_layer_batch",
+        make_process_save,
+        _worker_ok(["self", "requests", "layer_id", "group_id", "layer_idx_in_group"], needs=_SAVE_NEEDS),
+    ),
+    _spec(
+        "gdn_tp_alloc",
+        "pool_worker:KVPoolWorker._alloc_gvas_for_save",
+        make_alloc,
+        _worker_ok(["self", "requests"], needs=(*_SAVE_NEEDS, "batch_alloc", "save_keys")),
+    ),
+    _spec(
+        "gdn_tp_finish",
+        "pool_worker:KVPoolWorker._build_shared_save_data",
+        make_build_shared,
+        _worker_ok(["self"], needs=("layer_save_tasks", "shared_block_data"), globals_=("LayerTransferTask",)),
+    ),
+    _spec(
+        "gdn_tp_hit_check",
+        "pool_scheduler:KVPoolScheduler._make_layerwise_gva_keys_for_hit_check",
+        make_hit_keys,
+        _scheduler_ok,
+    ),
+)

@@ -1,0 +1,409 @@
+"""A failed or late layerwise load is reported to vLLM, which recomputes (or fails) the request.
+
+Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker:
+         KVPoolWorker.wait_for_layer_load                                   (worker half)
+         KVCacheStoreLayerRecvingThread._handle_request, ._batch_copy_with_limits
+                                                                            (worker half; the
+         receiving thread class is reached through pool_worker's name for it)
+         vllm.v1.core.sched.scheduler:Scheduler._update_requests_with_invalid_blocks
+                                                                            (scheduler half)
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). vllm-ascend 0.26.0rc1
+         raises on a failed layerwise load instead (upstream's fail-fast: the engine stops).
+Why      In the layerwise receiving thread a ``batch_copy`` that returns an error is logged and the
+         layer's finished event is set anyway; one that raises leaves the event unset (the run
+         loop swallows the exception), so the layer waits 10 s; ``wait_for_layer_load`` then logs
+         the timeout at INFO and the layer computes. Blocks whose GVA lookup failed are dropped from
+         the copy with a warning and, for hybrid requests, deliberately not reported. In every case
+         the layer computes on blocks that were never loaded and vLLM is told nothing: wrong tokens,
+         silently. vLLM already has the remedy -- blocks returned by the connector's
+         ``get_block_ids_with_load_errors()`` go to ``Scheduler._handle_invalid_blocks``, which
+         follows ``kv_transfer_config.kv_load_failure_policy`` (``recompute``: roll the request
+         back before the bad blocks and drop this step's output; ``fail``: end it with an error)
+         -- but vLLM 0.25's ``_update_requests_with_invalid_blocks`` unpacks the block ids of a
+         single KV cache group: for a hybrid request it raises ("too many values to unpack"),
+         which is why vllm-ascend skips the report for hybrid requests.
+How      Worker: the receiving thread turns a copy that raises into a failed copy (so the layer's
+         bookkeeping -- lease release, finished event, ``task_done`` -- still runs) and records the
+         blocks of every failed copy. ``wait_for_layer_load`` keeps upstream's flow and 10 s
+         timeout and, per step, adds to the worker's ``_invalid_block_ids`` (what
+         ``get_block_ids_with_load_errors`` returns at the end of the same step): blocks of the
+         step's loads that could not be copied (no GVA), blocks of failed copies, and, when a wait
+         times out (logged at WARNING with the layer and request ids), every block of the step's
+         loads -- the step's remaining loads are then abandoned: queued ones are emptied (the thread
+         skips them), their leases released, and no later load is submitted until the receiving
+         thread is idle again; then every stale load event is cleared, so no later step mistakes a
+         late load's event for its own. Loads in later steps meanwhile are reported, not waited on.
+         Scheduler: for a request of a hybrid coordinator (more than one KV cache group) the
+         rollback point is the longest prefix every group can resume from: before the first
+         invalid block of every group (later blocks may derive from it) and, for mamba groups,
+         with a state block at that point that is neither null nor invalid (or the start). Every group rolls back together; under ``fail``
+         the blocks from that point on, in every group, are evicted from the prefix cache.
+         Single-group schedulers run upstream's code unchanged.
+Policy   Use ``kv_load_failure_policy: recompute`` with a layerwise pool (vLLM's default is
+         ``fail``): a store hiccup then costs one recomputed prefix instead of a failed request.
+Residual A copy already inside MemCache when the wait gives up cannot be recalled; it may still
+         write into the request's blocks. Under ``recompute`` those blocks stay with the request
+         and receive the same bytes; under ``fail`` they are freed and may be reused meanwhile.
+Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-ascend reports
+         failed layerwise loads itself (detected per half: the scheduler spec skips itself when
+         ``_update_requests_with_invalid_blocks`` no longer unpacks one group; the worker specs
+         when the receiving thread reports invalid blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+
+from ..registry import PatchSpec, logger
+from .mamba_lifetime import _expects, _source
+
+VLLM = ">=0.25.0,<0.26"
+VLLM_ASCEND = ">=0.25.1,<0.26"
+GROUP = "load_failures"
+STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
+WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
+RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
+
+_FAILED_COPY = "_ascend_layerwise_patch_failed_copy"  # thread: result of the copy being handled
+_RECV = "_ascend_layerwise_patch_recv"  # thread: _Recv
+_STEP = "_ascend_layerwise_patch_load_step"  # worker: _Step
+
+
+class _Recv:
+    """What the receiving thread tells the worker: blocks of failed copies, and whether it is busy."""
+
+    __slots__ = ("lock", "failed", "busy")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.failed: set[int] = set()
+        self.busy = False
+
+    def take(self) -> set[int]:
+        with self.lock:
+            failed, self.failed = self.failed, set()
+        return failed
+
+
+class _Step:
+    """The worker's view of this step's loads."""
+
+    __slots__ = ("blocks", "req_ids", "keys", "late")
+
+    def __init__(self) -> None:
+        self.blocks: set[int] = set()
+        self.req_ids: set[str] = set()
+        self.keys: list[str] = []
+        self.late = False  # a wait timed out; the receiving thread may still run an old copy
+
+
+def _recv(thread) -> _Recv:
+    state = thread.__dict__.get(_RECV)
+    if state is None:
+        state = thread.__dict__.setdefault(_RECV, _Recv())
+    return state
+
+
+def _task_blocks(task) -> set[int]:
+    shared = task.shared_block_data
+    return set() if shared is None else {int(b) for b in shared.block_ids_arr}
+
+
+# ------------------------------------------------------------------------------- receiving thread
+def make_batch_copy(original):
+    @functools.wraps(original)
+    def _batch_copy_with_limits(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes):
+        try:
+            res = original(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes)
+        except Exception as exc:  # noqa: BLE001 - a raising store is a failed copy
+            logger().error("ascend_layerwise_patch: layerwise load batch_copy raised %r; reported as failed", exc)
+            res = -1
+        if res != 0:
+            self.__dict__[_FAILED_COPY] = res
+        return res
+
+    return _batch_copy_with_limits
+
+
+def make_recv_handle(original):
+    @functools.wraps(original)
+    def _handle_request(self, data):
+        state = _recv(self)
+        blocks = set().union(*(_task_blocks(t) for t in data.transfer_tasks))  # before the thread clears them
+        self.__dict__.pop(_FAILED_COPY, None)
+        state.busy = True
+        try:
+            return original(self, data)
+        finally:
+            if self.__dict__.pop(_FAILED_COPY, None) is not None and blocks:
+                with state.lock:
+                    state.failed |= blocks
+            state.busy = False
+
+    return _handle_request
+
+
+# ----------------------------------------------------------------------------------------- worker
+def _report(worker, blocks: set[int]) -> None:
+    if blocks:
+        with worker._invalid_block_ids_lock:
+            worker._invalid_block_ids.update(blocks)
+
+
+def _begin_step(worker) -> _Step:
+    """First wait of a step (nothing submitted yet): note what the step's loads cover, and report
+    the blocks no copy will write (their GVA lookup or lease failed before the copy)."""
+    old = worker.__dict__.get(_STEP)
+    step = _Step()
+    step.late = old is not None and old.late
+    worker.__dict__[_STEP] = step
+    recv = worker.kv_recv_thread
+    builders = getattr(recv, "group_builders", None)
+    unloadable: set[int] = set()
+    for tasks in worker.layer_load_tasks:
+        for task in tasks:
+            copied = _task_blocks(task)
+            step.blocks |= copied
+            if task.shared_block_data is not None:
+                step.keys.extend(task.shared_block_data.load_keys)
+            builder = builders[task.group_id] if builders else recv.layer_batch_builder
+            for rng in task.block_ranges:
+                step.req_ids.add(rng.request.req_id)
+                block_ids, _gvas = builder._require_request_arrays(rng, is_save=False)
+                wanted = {int(b) for b in block_ids[rng.start_block : rng.end_block]}
+                if rng.partial_block_index is not None:
+                    wanted.add(int(block_ids[rng.partial_block_index]))
+                unloadable |= wanted - copied - {0}
+    step.keys = list(dict.fromkeys(step.keys))
+    step.blocks |= unloadable
+    if unloadable:
+        logger().warning(
+            "ascend_layerwise_patch: layerwise load of requests %s has blocks no copy will write %s; "
+            "reported to the scheduler", sorted(step.req_ids), sorted(unloadable)
+        )
+    _report(worker, unloadable)
+    return step
+
+
+def _abandon(worker, step: _Step) -> None:
+    """Report every block of this step's loads, stop the ones still queued, release their leases."""
+    _report(worker, step.blocks)
+    for tasks in worker.layer_load_tasks:
+        tasks.clear()  # a queued LayerLoadTask holding this list now finds nothing to copy
+    worker.layer_load_tasks = [[] for _ in range(worker.num_layers)]  # the thread keeps the old lists
+    if step.keys:
+        worker.m_store.batch_remove_lease(step.keys)
+    step.blocks, step.keys = set(), []
+    step.late = True
+
+
+def make_wait(original):
+    names = original.__globals__
+
+    @functools.wraps(original)
+    def wait_for_layer_load(self):
+        if not self.use_gva_layerwise or self.kv_recv_thread is None:
+            return original(self)  # Mooncake's key-based layerwise path: not this patch's
+        if self.current_layer >= self.num_layers:
+            return
+        recv = self.kv_recv_thread
+        state = _recv(recv)
+        if self.next_layer_to_submit == 0 and self.current_layer == 0:
+            step = _begin_step(self)
+            if step.late:
+                if recv.request_queue.empty() and not state.busy:
+                    for event in self.layer_load_finished_events:
+                        event.clear()  # sets left by late or abandoned loads of earlier steps
+                    state.take()  # already reported with their step
+                    step.late = False
+                elif step.blocks:
+                    logger().warning(
+                        "ascend_layerwise_patch: layerwise loads of requests %s not attempted: a timed-out "
+                        "load of an earlier step still occupies the receiving thread; reported to the scheduler",
+                        sorted(step.req_ids),
+                    )
+                    _abandon(self, step)
+        step = self.__dict__[_STEP]
+        if step.late:
+            return  # this step's loads were abandoned (or never attempted): nothing to wait for
+        layer = self.current_layer
+        names["reset_attention_compute_start_gate"]()
+        self._submit_ready_layer_loads()
+        event = self.layer_load_finished_events[layer]
+        if not self.layer_load_tasks[layer]:
+            event.clear()
+            _report(self, state.take())
+            return
+        if event.wait(timeout=WAIT_S):
+            event.clear()
+            _report(self, state.take())
+            return
+        logger().warning(
+            "ascend_layerwise_patch: layerwise load of layer %d timed out after %.0f s (requests %s); "
+            "the step's loads are reported to the scheduler and the rest of them abandoned",
+            layer,
+            WAIT_S,
+            sorted(step.req_ids),
+        )
+        _report(self, state.take())
+        _abandon(self, step)
+
+    return wait_for_layer_load
+
+
+# -------------------------------------------------------------------------------------- scheduler
+def _resume_point(specs, block_ids, invalid: set[int], computed: int, mamba_cls) -> int | None:
+    """Tokens every group can resume from when some of ``computed`` tokens sit in invalid blocks;
+    ``None`` if none of them does."""
+    bound, affected = computed, False
+    for spec, ids in zip(specs, block_ids):
+        size = spec.block_size
+        for idx, block in enumerate(ids[: -(-computed // size)]):
+            if block in invalid:  # it, and everything computed from it, must be recomputed
+                affected = True
+                bound = min(bound, idx * size)
+                break
+    if not affected:
+        return None
+    mamba = [(spec.block_size, ids) for spec, ids in zip(specs, block_ids) if isinstance(spec, mamba_cls)]
+    step = 1
+    for spec in specs:
+        step = step * spec.block_size // _gcd(step, spec.block_size)
+    point = bound // step * step
+    while point > 0:
+        if all(_state_ok(ids, point // size - 1, invalid) for size, ids in mamba):
+            return point
+        point -= step
+    return 0
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _state_ok(ids, idx: int, invalid: set[int]) -> bool:
+    return idx < len(ids) and ids[idx] != 0 and ids[idx] not in invalid
+
+
+def make_update_invalid(original):
+    interface = importlib.import_module("vllm.v1.kv_cache_interface")
+    mamba_cls = interface.MambaSpec
+
+    def _group_spec(group):
+        spec = group.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        return next(iter(inner.values())) if inner else spec
+
+    @functools.wraps(original)
+    def _update_requests_with_invalid_blocks(self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks=True):
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) <= 1:
+            return original(self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
+        specs = [_group_spec(g) for g in groups]
+        affected: set[str] = set()
+        total = 0
+        evict: set[int] = set()
+        for request in requests:
+            req_id = request.request_id
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            computed = request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)
+            point = _resume_point(specs, block_ids, invalid_block_ids, computed, mamba_cls)
+            if point is None:
+                continue
+            request.num_computed_tokens = point
+            total += computed - point
+            affected.add(req_id)
+            if evict_blocks:
+                for spec, ids in zip(specs, block_ids):
+                    evict.update(b for b in ids[point // spec.block_size :] if b != 0)
+        return affected, total, evict
+
+    return _update_requests_with_invalid_blocks
+
+
+# ----------------------------------------------------------------------------- checks on targets
+def _upstream_reports(_original) -> str | None:
+    kv_transfer = importlib.import_module(f"{STORE}.kv_transfer")
+    source = _source(kv_transfer.KVCacheStoreLayerRecvingThread._handle_request)
+    if "invalid_block" in source or "raise RuntimeError" in source:
+        return "KVCacheStoreLayerRecvingThread reports (or raises on) failed loads itself"
+    return None
+
+
+def _upstream_hybrid(original) -> str | None:
+    if "(req_block_ids,) =" not in _source(original):
+        return "Scheduler._update_requests_with_invalid_blocks no longer unpacks a single KV cache group"
+    return None
+
+
+def _wait_ok(original) -> str | None:
+    problem = _expects(
+        ["self"],
+        needs=("layer_load_finished_events", "_submit_ready_layer_loads", "reset_attention_compute_start_gate", "timeout=10"),
+        globals_=("reset_attention_compute_start_gate",),
+    )(original)
+    if problem:
+        return problem
+    worker = original.__globals__["KVPoolWorker"]
+    for name in ("_invalid_block_ids_lock", "layer_load_tasks", "next_layer_to_submit"):
+        if name not in _source(worker):
+            return f"KVPoolWorker no longer has {name}"
+    return None
+
+
+def _recv_ok(original) -> str | None:
+    problem = _expects(["self", "data"], needs=("transfer_tasks", "_batch_copy_with_limits", "task_done"))(original)
+    if problem:
+        return problem
+    builder = importlib.import_module(f"{STORE}.kv_transfer").LayerBatchBuilder
+    if not callable(getattr(builder, "_require_request_arrays", None)):
+        return "LayerBatchBuilder._require_request_arrays is gone"
+    return None
+
+
+def _with_risk(check):
+    def checked(original) -> str | None:
+        problem = check(original)
+        return f"{problem}; {RISK}" if problem else None
+
+    return checked
+
+
+def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports) -> PatchSpec:
+    return PatchSpec(
+        name=name,
+        group=GROUP,
+        target=target,
+        factory=factory,
+        why="failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
+        "which handles hybrid (multi-group) requests",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_with_risk(precondition),
+        fixed_upstream=fixed,
+    )
+
+
+_COPY = ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"]
+
+SPECS = (
+    _spec(
+        "load_fail_copy",
+        f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._batch_copy_with_limits",
+        make_batch_copy,
+        _expects(_COPY, needs=("batch_copy",)),
+    ),
+    _spec("load_fail_thread", f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._handle_request", make_recv_handle, _recv_ok),
+    _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok),
+    _spec(
+        "load_fail_scheduler",
+        "vllm.v1.core.sched.scheduler:Scheduler._update_requests_with_invalid_blocks",
+        make_update_invalid,
+        _expects(["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"], needs=("get_block_ids",)),
+        fixed=_upstream_hybrid,
+    ),
+)

@@ -1,0 +1,145 @@
+"""Layerwise pool at TP > KV heads: every rank saves, keys and loads its own GDN slice.
+
+Harness: tests/standins/harness_pool.py (``PoolInstance``: vLLM's real Scheduler, the AscendStore
+connector halves from KVConnectorFactory, one worker half per TP rank, the real layer threads, a
+byte-level MemCache). Every GDN state value names its layer, its token prefix and its TP slice, so a
+rank that starts from another rank's slice reads a wrong state (``PoolInstance.wrong_reads``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import ascend_layerwise_patch
+from ascend_layerwise_patch.patches import gdn_tp_keys
+from ascend_layerwise_patch.registry import APPLIED, SKIPPED
+
+from support import PAIR
+
+PAIRS = ("v0251",)
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+PROMPT = list(range(2000, 2040))  # 2 full 16-token blocks + 8
+HIT = 32
+LAYOUTS = [(2, 1), (4, 2)]  # (tp, kv heads): put_step 2 in both
+_NAMES = {s.name for s in gdn_tp_keys.SPECS}
+
+
+def _set(on: bool) -> None:
+    """Every patch of the library, with (on) or without (off) this group: off is vllm-ascend's own
+    GDN keying with everything else this library fixes in place, so only this group's effect shows."""
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    reg.activate(environ=dict(os.environ) if on else {**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": gdn_tp_keys.GROUP})
+    states = {st.state for st in reg.status() if st.name in _NAMES}
+    assert states == ({APPLIED} if on else {SKIPPED}), reg.status()
+
+
+@pytest.fixture
+def library():
+    yield _set
+    _set(True)
+
+
+def _save_then_hit(tp: int, kv_heads: int, pool=None):
+    """A saves PROMPT; B, on an empty cache, hits its first 32 tokens. Returns what every rank of B
+    holds in the loaded GDN state block (index 32 // block_size - 1) right after B's first step:
+    ``{(rank, layer): tokens covered}`` (this rank's slice), or "other" (another slice)."""
+    pool = pool or make_pool()
+    a = PoolInstance(pool, name="A", tp=tp, kv_heads=kv_heads)
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    assert a.wrong_reads("a") == [] and {r.rank for r in a.reads_of("a")} == set(range(tp))
+    b = PoolInstance(pool, name="B", tp=tp, kv_heads=kv_heads)
+    b.add_request("b", PROMPT[:HIT] + [7, 8, 9, 10, 11], max_tokens=1)
+    held = {}
+
+    def after(inst, _so):
+        if not held:
+            for rank in inst.ranks:
+                for name in inst.gdn_layers:
+                    held[rank.rank, name] = rank.content("b", name, HIT // inst.block_size - 1)
+
+    engine_loop(b, on_step=after)
+    return pool, a, b, held
+
+
+def _groups(inst: PoolInstance) -> tuple[set[int], set[int]]:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba = {g for g, grp in enumerate(inst.kv_cache_config.kv_cache_groups) if isinstance(grp.kv_cache_spec, MambaSpec)}
+    return mamba, set(range(len(inst.kv_cache_config.kv_cache_groups))) - mamba
+
+
+def _keys(pool, groups: set[int]) -> dict[str, bytes]:
+    return {k: pool.read(k) for k in pool.ready_keys() if int(k.split("@")[1]) in groups}
+
+
+@pytest.mark.parametrize("tp,kv_heads", LAYOUTS)
+def test_every_rank_loads_its_own_gdn_slice(library, tp, kv_heads):
+    library(True)
+    pool, a, b, held = _save_then_hit(tp, kv_heads)
+    # every GDN layer of every rank of B holds, from the pool, its own slice after 32 tokens
+    assert held == {(rank, name): HIT for rank in range(tp) for name in b.gdn_layers}
+    assert b.wrong_reads("b", kind="attn") == []
+    mamba, _attn = _groups(a)
+    gdn_keys = _keys(pool, mamba)
+    assert len(gdn_keys) == (HIT // a.block_size) * tp  # one finished key per block and rank
+    assert {k.rsplit("@", 1)[1] for k in gdn_keys} == {f"tp{r}" for r in range(tp)}
+    assert pool.violations == []
+
+
+@pytest.mark.parametrize("tp,kv_heads", LAYOUTS)
+def test_unpatched_ranks_load_another_ranks_slice(library, tp, kv_heads):
+    library(False)
+    _pool, _a, b, held = _save_then_hit(tp, kv_heads)
+    put_step = tp // kv_heads
+    wrong = {k for k, v in held.items() if v != HIT}
+    # every GDN layer of every follower rank holds its leader's slice; leaders hold their own
+    assert wrong == {(rank, name) for rank in range(tp) if rank % put_step for name in b.gdn_layers}
+    assert all(held[k] == "other" for k in wrong)
+    print(f"\nunpatched TP={tp}, {kv_heads} KV heads: {len(wrong)} of {len(held)} (rank, GDN layer) states "
+          f"loaded from another rank's slice")
+
+
+@pytest.mark.parametrize("tp,kv_heads", [(2, 1)])
+def test_full_attention_keys_unchanged(library, tp, kv_heads):
+    """Attention keys and bytes are what upstream writes: existing pools stay valid."""
+    library(False)
+    before, a0, _b, _h = _save_then_hit(tp, kv_heads)
+    library(True)
+    after, a1, _b, _h = _save_then_hit(tp, kv_heads)
+    _m0, attn0 = _groups(a0)
+    _m1, attn1 = _groups(a1)
+    assert attn0 == attn1
+    old, new = _keys(before, attn0), _keys(after, attn1)
+    assert old and old == new
+
+
+def test_old_gdn_keys_count_as_misses(library):
+    """GDN keys written before the upgrade (leader ranks only) are never loaded by other ranks."""
+    tp, kv_heads = 2, 1
+    library(False)
+    pool = make_pool()
+    a = PoolInstance(pool, name="A", tp=tp, kv_heads=kv_heads)
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    old = set(pool.ready_keys())
+    start = len(pool.copy_log)
+    library(True)
+    b = PoolInstance(pool, name="B", tp=tp, kv_heads=kv_heads)
+    b.add_request("b", PROMPT[:HIT] + [7, 8, 9, 10, 11], max_tokens=1)
+    engine_loop(b)
+    assert b.wrong_reads("b") == [] and b.wrong_reads("b", kind="attn") == []
+    mamba, _attn = _groups(b)
+    assert {k for k in old if int(k.split("@")[1]) in mamba}
+    # no rank's GDN key of the old layout is asked for: a miss, so B loads nothing and computes
+    assert [keys for direction, keys, _res in pool.copy_log[start:] if direction == 1] == []
+    assert b.outputs["b"]
