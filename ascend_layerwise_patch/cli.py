@@ -84,6 +84,11 @@ def check(cpu: bool, as_json: bool) -> int:
     found = detect()
     if found["vllm"].raw is None:
         return _refuse(as_json, found, 2, "vLLM is not installed; nothing to check")
+    from . import REGISTRY  # hooks nothing yet: activation waits for vLLM's import
+
+    errors = REGISTRY.switch_errors()
+    if errors:
+        return _refuse(as_json, found, 1, "; ".join(errors))
     if not cpu and importlib.util.find_spec("torch_npu") is None:
         return _refuse(
             as_json,

@@ -277,11 +277,9 @@ class Registry:
                 return self.status()
 
             skip = _env_list(env.get(ENV_SKIP))
-            self.config_errors = []
-            unknown = skip - {s.name for s in self.specs} - {s.group for s in self.specs}
-            if unknown:
-                self.config_errors.append(self.unknown_skip_message(unknown))
-                self._log_when_vllm_logs("error", "ascend_layerwise_patch: %s", self.config_errors[-1])
+            self.config_errors = self.switch_errors(env)
+            for error in self.config_errors:
+                self._log_when_vllm_logs("error", "ascend_layerwise_patch: %s", error)
             live: list[str] = []
             for group, specs in self.groups().items():
                 reason = self._skip_reason(group, specs, skip)
@@ -307,13 +305,17 @@ class Registry:
             self._raise_if_strict(self._status.values(), env)
         return self.status()
 
-    def unknown_skip_message(self, unknown: Iterable[str]) -> str:
-        patches = ", ".join(s.name for s in self.specs)
-        groups = ", ".join(self.groups())
-        return (
+    def switch_errors(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        """Mistakes in the switches: a name in ``ASCEND_LAYERWISE_PATCH_SKIP`` that is no patch
+        and no group (a typo would otherwise leave on the patch it meant)."""
+        env = os.environ if environ is None else environ
+        unknown = _env_list(env.get(ENV_SKIP)) - {s.name for s in self.specs} - {s.group for s in self.specs}
+        if not unknown:
+            return []
+        return [
             f"{ENV_SKIP} names no patch or group: {', '.join(sorted(unknown))} "
-            f"(valid patches: {patches}; valid groups: {groups})"
-        )
+            f"(valid patches: {', '.join(s.name for s in self.specs)}; valid groups: {', '.join(self.groups())})"
+        ]
 
     def _find_aliases(self, group: str, specs: list[PatchSpec]) -> bool:
         """Add the copies each spec's ``find_aliases`` finds; a finder that raises fails the group."""
@@ -436,7 +438,7 @@ class Registry:
             for group, specs in self.groups().items():
                 if any(spec.module == name for spec in specs):
                     failed += self._apply_if_pending(group, specs, name)
-            failed += self._sync_aliases()
+            failed += self._sync_aliases(module)
             self._maybe_summarize()
         if self._strict:
             _raise_failures(failed)
@@ -551,13 +553,14 @@ class Registry:
         return [self._status[s.name] for s in specs]
 
     # ------------------------------------------------------------------ aliases
-    def _sync_aliases(self) -> list[PatchStatus]:
+    def _sync_aliases(self, just_imported: types.ModuleType | None = None) -> list[PatchStatus]:
         """Point every known copy of an original at our replacement (identity match only).
 
         A copy whose module is imported but that holds neither the original nor ours could not
         be patched: its whole group is taken back off and fails -- unless the spec names
         ``copied_by`` modules, whose import makes that copy (until then, or if they put something
-        else there, the place is simply not a copy of this target).
+        else there, the place is simply not a copy of this target). ``just_imported`` is the module
+        whose post-import hook runs (finished, though still flagged as initializing).
         """
         failed: list[PatchStatus] = []
         for spec in self.specs:
@@ -568,6 +571,8 @@ class Registry:
                 ours = self._replacement[spec.name]
                 module_name, qual = _split(alias)
                 module = _module_ready(module_name)
+                if just_imported is not None and module_name == just_imported.__name__:
+                    module = just_imported
                 if module is None:
                     continue
                 try:
