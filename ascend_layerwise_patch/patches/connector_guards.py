@@ -10,7 +10,10 @@ Why      Both helpers call the connector whenever a KV transfer group exists and
          the next real step onto the wrong layer's KV. vLLM's own ``maybe_transfer_kv_layer``
          checks ``connector.has_connector_metadata()`` first; these helpers did not.
 How      A plain function in front of each helper: if there is no V1 transfer group, or it has no
-         metadata bound, return without calling anything; otherwise call the original.
+         metadata bound, return without calling anything; otherwise call the original. The copies
+         are the known ones (COPIED_INTO) plus every module-level ``from vllm_ascend.attention.utils
+         import`` of a helper in the installed vllm-ascend's source, found at activation; a copy
+         that holds anything else fails the group.
 Removal  When vllm-ascend's helpers check ``has_connector_metadata()`` themselves (the
          fixed-upstream detector then skips this patch on its own).
 """
