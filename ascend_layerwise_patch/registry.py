@@ -674,7 +674,7 @@ class Registry:
         """The summary line, once the states settle (no patch pending), and again only when a
         state changes after that (a late failure, a conflict, a revert)."""
         with self._lock:
-            if any(st.state == PENDING for st in self._status.values()):
+            if any(self._unsettled(spec) for spec in self.specs):
                 return
             shown = tuple((st.name, st.state) for st in self._status.values())
             if shown == self._summarized:
@@ -687,9 +687,22 @@ class Registry:
             self._summarized = shown
             self.log_summary()
 
+    def _unsettled(self, spec: PatchSpec) -> bool:
+        """Pending, and its target may still be imported in this process. A spec whose
+        ``copied_by`` modules all ran without importing its target will not see it imported by
+        vllm-ascend's own flow (the 310P GDN class on any other NPU): that counts as settled."""
+        if self._status[spec.name].state != PENDING:
+            return False
+        if spec.copied_by and spec.module not in sys.modules and all(m in sys.modules for m in spec.copied_by):
+            return False
+        return True
+
     def _summary_at_exit(self) -> None:
         """A process that never imported some target never settles: it still logs one line."""
         if self._summarized is None and self._active:
+            import logging
+
+            logging.raiseExceptions = False  # at exit the log stream may be closed already
             self.log_summary()
 
     def log_summary(self) -> None:
