@@ -50,7 +50,8 @@ fi
 
 echo "matrix: ${#pairs[@]} pairs in $(( $(date +%s) - start )) s"
 # the figures the README quotes, measured on every run
-echo "matrix: on disk: $(du -sh "$root" 2>/dev/null | cut -f1) in $root (all venvs), $(du -sh .bench 2>/dev/null | cut -f1) in .bench; $(nproc) cores, $(date -u +%F)"
+bench=$(du -sh .bench 2>/dev/null | cut -f1)
+echo "matrix: on disk: $(du -sh "$root" 2>/dev/null | cut -f1) in $root (all venvs), ${bench:-0} in .bench; $(nproc) cores, $(date -u +%F)"
 if [ ${#failed[@]} -ne 0 ]; then
   printf 'matrix: FAILED: %s\n' "${failed[@]}"
   exit 1
