@@ -7,7 +7,8 @@
     python scripts/bench_postprocess.py --cpu-smoke                # both, tiny, interpreter (CI)
 
 ``fetch`` downloads the vLLM 0.25.1 and vllm-ascend 0.25.1rc1 wheels with pip (``--no-deps``)
-and extracts just the two kernel files into ``.bench/`` (git-ignored; carry it to the device).
+into a temporary folder, extracts just the two kernel files into ``.bench/`` (git-ignored; carry
+it to the device; ``ALP_BENCH_DIR`` moves it) and deletes the wheels.
 At run time the kernel functions are lifted out of those files with ``ast`` into
 ``.bench/_rt_*.py`` and imported with plain ``triton``: no vLLM needed, none of their code kept
 here. Kernels: ours (``ascend_layerwise_patch/kernels/postprocess.py``, loaded by path, so the
@@ -25,14 +26,18 @@ import ast
 import importlib.util
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / ".bench"
+BENCH = Path(os.environ.get("ALP_BENCH_DIR") or ROOT / ".bench")
+SMOKE_NOTE = ("cpu smoke: Triton's interpreter on the CPU, tiny shapes; the times and ratios below are "
+              "not judged -- only that every kernel runs and matches the reference (numbers: docs/h200_postprocess.md)")
 FOREIGN = {  # name: (requirement, file in the wheel, kernel functions to lift)
     "vllm": (
         "vllm==0.25.1",
@@ -50,20 +55,24 @@ FOREIGN = {  # name: (requirement, file in the wheel, kernel functions to lift)
 # ----------------------------------------------------------------------------- kernels
 
 
-def fetch(find_links: str | None) -> None:
-    wheels = BENCH / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    for name, (req, member, _) in FOREIGN.items():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "--only-binary=:all:", "-d", str(wheels)]
-        cmd.append(req)
-        if find_links:
-            cmd += ["--find-links", find_links]
-        subprocess.run(cmd, check=True)
-        dist = req.split("==")[0].replace("-", "_")
-        wheel = next(wheels.glob(f"{dist}-{req.split('==')[1]}-*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            (BENCH / f"{name}_{Path(member).name}").write_bytes(zf.read(member))
-        print(f"{name}: {member} from {wheel.name} -> .bench/{name}_{Path(member).name}")
+def fetch(find_links: str | None, no_index: bool = False) -> None:
+    """The two kernel files out of their wheels; the wheels (~260 MB) are read, never kept."""
+    BENCH.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(BENCH / "wheels", ignore_errors=True)  # where earlier versions kept them
+    with tempfile.TemporaryDirectory(prefix="alp-wheels-") as wheels:
+        for name, (req, member, _) in FOREIGN.items():
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--pre", "--only-binary=:all:", "-d", wheels]
+            cmd.append(req)
+            if find_links:
+                cmd += ["--find-links", find_links]
+            if no_index:
+                cmd.append("--no-index")
+            subprocess.run(cmd, check=True)
+            dist = req.split("==")[0].replace("-", "_")
+            wheel = next(Path(wheels).glob(f"{dist}-{req.split('==')[1]}-*.whl"))
+            with zipfile.ZipFile(wheel) as zf:
+                (BENCH / f"{name}_{Path(member).name}").write_bytes(zf.read(member))
+            print(f"{name}: {member} from {wheel.name} -> {BENCH / f'{name}_{Path(member).name}'} (wheel not kept)")
 
 
 def load_foreign(name: str):
@@ -414,6 +423,8 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         how = {"graph": "CUDA-graph replay: GPU time only", "eager": "launches from Python, L2 flushed"}
         print(f"\n### {clock} ({how.get(clock, 'interpreter, wall clock')})")
         print_table(rows)
+        if small:
+            print(SMOKE_NOTE)
     return ok
 
 
@@ -440,13 +451,15 @@ def main() -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on the CPU")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tuning knobs")
     parser.add_argument("--find-links", help="fetch: a folder of wheels to use before the index")
+    parser.add_argument("--no-index", action="store_true", help="fetch: only --find-links, no package index")
     parser.add_argument("--examples", type=int, default=24)
     args = parser.parse_args()
     if args.mode == "fetch":
-        fetch(args.find_links)
+        fetch(args.find_links, args.no_index)
         return 0
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+        print(SMOKE_NOTE)
     import torch
 
     device = torch.device("cpu" if args.cpu_smoke else "cuda")

@@ -3,5 +3,8 @@
 # vllm-ascend 0.25.1rc1, NPU runtime stood in) and run the patch check against it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=${ALP_MATRIX_DIR:-$PWD/.matrix}
+echo "check.sh: building (or reusing) the CPU environment in $root: vLLM 0.25.1 + vllm-ascend 0.25.1rc1 from the package index"
 bash scripts/env.sh v0251
-exec .matrix/v0251/bin/python -m ascend_layerwise_patch check --cpu "$@"
+echo "check.sh: running ascend-layerwise-patch check --cpu $* (imports vLLM and vllm-ascend with the NPU runtime stood in; ~20 s)"
+exec "$root/v0251/bin/ascend-layerwise-patch" check --cpu "$@"

@@ -4,7 +4,9 @@
 #   scripts/env.sh base           .matrix/base: CPU torch + vLLM's pure-Python deps (requirements/base.lock),
 #                                 triton (for TRITON_INTERPRET=1), pytest, hypothesis, this package (editable)
 #   scripts/env.sh PAIR           .matrix/PAIR: a venv layered on base (a .pth adds base's site-packages)
-#                                 holding only vllm and vllm-ascend, installed with --no-deps
+#                                 holding only vllm and vllm-ascend, installed with --no-deps, and this
+#                                 package (editable), so its console script `ascend-layerwise-patch` is
+#                                 the one the README tells users to run
 #
 # PAIR is one of the names in scripts/pairs.txt. Re-running is cheap: a finished venv is kept
 # (it records what it holds in .matrix/<name>/.done).
@@ -15,19 +17,33 @@ root=${ALP_MATRIX_DIR:-$here/.matrix}
 py=${PYTHON:-python3}
 mkdir -p "$root"
 
-pip_q() { "$1/bin/python" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true; }
+say() { echo "env: $*"; }
+# pip's own progress lines on a terminal, quiet otherwise (CI logs)
+quiet=-q; [ -t 1 ] && quiet=
+pip_q() { "$1/bin/python" -m pip install $quiet --disable-pip-version-check "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true; }
+# this package, editable, with its console script, into a pair venv; base's setuptools builds it
+# (no download; base first on the path, ahead of the old setuptools that venv puts in every venv)
+install_self() {
+  local base_site; base_site=$("$root/base/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  PYTHONPATH="$base_site" pip_q "$1" --no-deps --no-build-isolation -e "$here"
+  [ -x "$1/bin/ascend-layerwise-patch" ] || { echo "env: installing this package into $1 failed" >&2; exit 1; }
+}
 
 build_base() {
   local venv=$root/base
   local want; want=$(cat requirements/base.lock setup.cfg pyproject.toml | sha1sum | cut -c1-12)
-  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then return; fi
+  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then say "base: ready ($venv)"; return; fi
+  say "base: creating $venv (CPU torch, vLLM's pure-Python dependencies, triton, pytest; about 2 minutes and 2 GB)"
   rm -rf "$venv"; "$py" -m venv "$venv"
+  say "base: installing requirements/base.lock"
   pip_q "$venv" -r requirements/base.lock
   pip_q "$venv" --no-deps 'xgrammar==0.2.9'
+  say "base: installing this package (editable)"
   pip_q "$venv" --no-deps -e .
   "$venv/bin/python" -c "import torch, triton, wrapt, hypothesis, ascend_layerwise_patch" \
     || { echo "base venv is broken" >&2; exit 1; }
   echo "$want" > "$venv/.done"
+  say "base: ready"
 }
 
 build_pair() {
@@ -35,7 +51,11 @@ build_pair() {
   line=$(grep -E "^$name[[:space:]]" scripts/pairs.txt) || { echo "unknown pair $name (see scripts/pairs.txt)" >&2; exit 2; }
   read -r _ vllm ascend _ <<<"$line"
   local venv=$root/$name want="vllm==$vllm vllm-ascend==$ascend"
-  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then return; fi
+  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then
+    [ -x "$venv/bin/ascend-layerwise-patch" ] || { say "$name: adding this package's console script"; install_self "$venv"; }
+    say "$name: ready ($want)"; return
+  fi
+  say "$name: creating $venv ($want, --no-deps, on top of base)"
   rm -rf "$venv"; "$py" -m venv "$venv"
   local site base_site
   site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
@@ -44,8 +64,12 @@ build_pair() {
   echo "import site; site.addsitedir('$base_site')" > "$site/_alp_base.pth"
   local pkgs=("vllm==$vllm")
   [ "$ascend" != "-" ] && pkgs+=("vllm-ascend==$ascend")
+  say "$name: downloading and installing ${pkgs[*]}"
   pip_q "$venv" --no-deps "${pkgs[@]}"
+  say "$name: installing this package (editable: the console script ascend-layerwise-patch)"
+  install_self "$venv"
   echo "$want" > "$venv/.done"
+  say "$name: ready"
 }
 
 build_base

@@ -37,17 +37,21 @@ done
 # The benchmarks must keep running: tiny versions on the primary pair (numbers are not judged here).
 smoke() {
   local name=$1; shift
-  echo "=== smoke: $name"
+  echo "=== smoke: $name (does it run? interpreter / CPU timings and ratios are not judged)"
   "$@" || failed+=("smoke: $name (exit $?)")
 }
 if [ -x "$root/v0251/bin/python" ]; then
   smoke bench_hotpath "$root/v0251/bin/python" scripts/bench_hotpath.py --quick
-  # vLLM's and vllm-ascend's kernels come from their wheels into git-ignored .bench/ (read, never kept)
+  # vLLM's and vllm-ascend's kernel files come out of their wheels into git-ignored .bench/ (the wheels
+  # go to a temporary folder and are deleted)
   smoke "fetch reference kernels" "$root/v0251/bin/python" scripts/bench_postprocess.py fetch
   smoke bench_postprocess env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_PLUGINS= "$root/v0251/bin/python" scripts/bench_postprocess.py --cpu-smoke
 fi
 
 echo "matrix: ${#pairs[@]} pairs in $(( $(date +%s) - start )) s"
+# the figures the README quotes, measured on every run
+bench=$(du -sh .bench 2>/dev/null | cut -f1)
+echo "matrix: on disk: $(du -sh "$root" 2>/dev/null | cut -f1) in $root (all venvs), ${bench:-0} in .bench; $(nproc) cores, $(date -u +%F)"
 if [ ${#failed[@]} -ne 0 ]; then
   printf 'matrix: FAILED: %s\n' "${failed[@]}"
   exit 1

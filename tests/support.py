@@ -43,19 +43,23 @@ def current_pair() -> str | None:
 PAIR = current_pair()
 
 
+def _child_env(env: dict[str, str] | None) -> dict[str, str]:
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_LAYERWISE_PATCH", "VLLM_PLUGINS"))}
+    child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    child_env.update(env or {})
+    return child_env
+
+
 def run_python(code: str, *, env: dict[str, str] | None = None, check: bool = True, timeout: int = 300):
     """Run ``code`` in a fresh interpreter of this venv; returns the CompletedProcess.
 
     The child starts with this repository first on ``sys.path`` and with ``VLLM_PLUGINS`` unset
     unless ``env`` sets it. ``check`` asserts a zero exit code and shows the child's output if not.
     """
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_LAYERWISE_PATCH", "VLLM_PLUGINS"))}
-    child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    child_env.update(env or {})
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         cwd=ROOT,
-        env=child_env,
+        env=_child_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -63,3 +67,18 @@ def run_python(code: str, *, env: dict[str, str] | None = None, check: bool = Tr
     if check:
         assert proc.returncode == 0, f"child exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     return proc
+
+
+def console_script() -> Path:
+    """This venv's ``ascend-layerwise-patch`` -- the command the README gives (scripts/env.sh
+    installs the package into every venv of the matrix)."""
+    path = Path(sys.executable).parent / "ascend-layerwise-patch"
+    assert path.exists(), f"{path} is missing: this package is not installed in {sys.prefix} (scripts/env.sh installs it)"
+    return path
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300):
+    """Run the console script with ``args`` (this repository first on the path); never checks."""
+    return subprocess.run(
+        [str(console_script()), *args], cwd=ROOT, env=_child_env(env), capture_output=True, text=True, timeout=timeout
+    )

@@ -10,7 +10,10 @@ Why      Both helpers call the connector whenever a KV transfer group exists and
          the next real step onto the wrong layer's KV. vLLM's own ``maybe_transfer_kv_layer``
          checks ``connector.has_connector_metadata()`` first; these helpers did not.
 How      A plain function in front of each helper: if there is no V1 transfer group, or it has no
-         metadata bound, return without calling anything; otherwise call the original.
+         metadata bound, return without calling anything; otherwise call the original. The copies
+         are the known ones (COPIED_INTO) plus every module-level ``from vllm_ascend.attention.utils
+         import`` of a helper in the installed vllm-ascend's source, found at activation; a copy
+         that holds anything else fails the group.
 Removal  When vllm-ascend's helpers check ``has_connector_metadata()`` themselves (the
          fixed-upstream detector then skips this patch on its own).
 """
@@ -19,13 +22,14 @@ from __future__ import annotations
 
 import functools
 
-from ..registry import PatchSpec
+from ..registry import PatchSpec, copies_in_source
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
 MODULE = "vllm_ascend.attention.utils"
 
-#: modules that copy the helpers with ``from vllm_ascend.attention.utils import ...``
+#: modules known to copy the helpers with ``from vllm_ascend.attention.utils import ...``; the
+#: installed vllm-ascend's sources are scanned for more at activation (``find_copies``)
 COPIED_INTO = (
     "vllm_ascend.ops.gdn",
     "vllm_ascend.attention.mla_v1",
@@ -107,6 +111,19 @@ def guard(original):
     return functools.wraps(original)(guarded)
 
 
+HELPERS = ("wait_for_kv_layer_from_connector", "maybe_save_kv_layer_to_connector")
+
+
+@functools.lru_cache(maxsize=None)
+def _copies() -> dict[str, tuple[str, ...]]:
+    return copies_in_source("vllm_ascend", MODULE, HELPERS)
+
+
+def find_copies(name: str):
+    """Every ``from vllm_ascend.attention.utils import <name>`` in the installed vllm-ascend."""
+    return lambda: _copies()[name]
+
+
 def _spec(name: str, params: list[str]) -> PatchSpec:
     return PatchSpec(
         name="guard_" + ("wait" if name.startswith("wait") else "save"),
@@ -119,6 +136,7 @@ def _spec(name: str, params: list[str]) -> PatchSpec:
         aliases=tuple(f"{module}:{name}" for module in COPIED_INTO),
         precondition=_expects(params),
         fixed_upstream=_already_guarded,
+        find_aliases=find_copies(name),
     )
 
 

@@ -195,6 +195,8 @@ SPECS = (
             "vllm.v1.worker.mamba_utils:postprocess_mamba_fused_kernel",
             "vllm_ascend.patch.worker.patch_mamba_utils:postprocess_mamba_fused_kernel",
         ),
+        # vLLM's name holds vLLM's own kernel until vllm-ascend's worker patch copies the target there
+        copied_by=("vllm_ascend.patch.worker.patch_mamba_utils",),
         precondition=_old_kernel,
         fixed_upstream=_ascend_has_new_signature,
     ),

@@ -258,23 +258,6 @@ def test_disabled_by_environment():
     assert out == {"wait": None, "reasons": ["disabled by ASCEND_LAYERWISE_PATCH=0"]}
 
 
-@pytest.mark.pairs(*IN_RANGE, "v0240", "v0260")
-def test_check_command_exit_code_and_json():
-    proc = run_python(
-        "import sys; from ascend_layerwise_patch.cli import main; sys.exit(main(['check', '--cpu', '--json']))",
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)
-    states = {p["name"]: p["state"] for p in doc["patches"]}
-    if PAIR == "v0251":
-        assert {states[n] for n in ("guard_wait", "guard_save", "gdn_layerwise")} == {"applied"}
-    elif PAIR == "v0250":
-        assert states["guard_wait"] == "applied" and states["gdn_layerwise"] == "skipped"
-    else:
-        assert set(states.values()) == {"skipped"}
-
-
 @pytest.mark.pairs(*IN_RANGE)
 def test_one_summary_line_through_vllms_logger():
     proc = run_python(STANDINS + "import ascend_layerwise_patch\nimport vllm_ascend.attention.utils\n")

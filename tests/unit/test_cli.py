@@ -1,11 +1,12 @@
 """The check command where vLLM is not installed (the base venv of the matrix)."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from support import ROOT, _version
+from support import ROOT, _version, run_cli
 
 
 @pytest.mark.skipif(_version("vllm") is not None, reason="needs an environment without vLLM (the base venv)")
@@ -15,6 +16,17 @@ def test_check_exits_2_without_vllm():
     )
     assert proc.returncode == 2
     assert "vLLM is not installed" in proc.stderr
+
+
+@pytest.mark.skipif(_version("vllm") is not None, reason="needs an environment without vLLM (the base venv)")
+@pytest.mark.parametrize("args", [["check", "--json"], ["check", "--cpu", "--json"]])
+def test_check_json_without_vllm_still_prints_a_json_document(args):
+    """Issue 13, point 4: every JSON consumer parses stdout, whatever happened (console script)."""
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    doc = json.loads(proc.stdout)
+    assert doc["error"] == "vLLM is not installed; nothing to check"
+    assert doc["versions"] == {"vllm": None, "vllm_ascend": _version("vllm-ascend")}
 
 
 def test_import_registers_no_hook_until_vllm_imports():

@@ -1,0 +1,162 @@
+"""``ascend-layerwise-patch check`` as a CI gate and an operator run it (issue 13): through the
+console script the README gives, against the real vLLM / vllm-ascend of the pair.
+
+``check --cpu`` imports everything (~10-20 s on the CI box), so one run is asserted on for the
+text output and one for ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import PAIR, ROOT, _child_env, run_cli, run_python
+
+ALL_PAIRS = ("v0251", "v0250", "v0240", "v0260")
+
+#: the copies of the connector helpers issue 13 lists for vllm-ascend 0.25.1rc1
+SAVE_COPIES = (
+    "vllm_ascend.ops.gdn",
+    "vllm_ascend.attention.mla_v1",
+    "vllm_ascend.attention.sfa_v1",
+    "vllm_ascend.attention.dsa_v1",
+    "vllm_ascend.attention.context_parallel.dsa_cp",
+    "vllm_ascend._310p.ops.fla.gdn_310",
+)
+SUMMARY = "ascend_layerwise_patch [vllm "
+
+
+@pytest.mark.pairs(*ALL_PAIRS)
+def test_check_without_the_npu_runtime_fails_in_one_line():
+    """Point 1: no torch_npu and no --cpu is no check at all; a CI gate must not pass on it."""
+    proc = run_cli("check")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "NPU runtime is missing" in lines[0] and "--cpu" in lines[0], proc.stderr
+    assert proc.stdout == ""
+    doc = json.loads(run_cli("check", "--json").stdout)
+    assert "NPU runtime is missing" in doc["error"] and doc["versions"]["vllm"]
+
+
+@pytest.mark.pairs(*ALL_PAIRS)
+def test_check_names_an_unknown_skip_entry_and_the_valid_names():
+    """Point 3: a typo in ASCEND_LAYERWISE_PATCH_SKIP must not leave the patch it meant silently on."""
+    proc = run_cli("check", "--cpu", env={"ASCEND_LAYERWISE_PATCH_SKIP": "guard_wiat,gdn_layerwise"})
+    assert proc.returncode == 1
+    assert "names no patch or group: guard_wiat " in proc.stderr
+    assert "valid patches: guard_wait, guard_save, " in proc.stderr and "valid groups: connector_guards, " in proc.stderr
+    doc = json.loads(run_cli("check", "--cpu", "--json", env={"ASCEND_LAYERWISE_PATCH_SKIP": "guard_wiat"}).stdout)
+    assert "guard_wiat" in doc["error"]
+
+
+@pytest.mark.pairs("v0251", "v0250")
+def test_a_serving_process_logs_an_unknown_skip_entry_as_an_error():
+    standins = f"import runpy; runpy.run_path(r'{ROOT / 'ascend_layerwise_patch' / 'cpu_standins.py'}')['install']()\n"
+    code = standins + "import ascend_layerwise_patch\nfrom vllm.plugins import load_general_plugins\nload_general_plugins()\n"
+    proc = run_python(code, env={"ASCEND_LAYERWISE_PATCH_SKIP": "guard_wiat"})
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("ERROR ") and "guard_wiat" in line]
+    assert len(errors) == 1 and "valid patches: guard_wait" in errors[0], proc.stdout[-3000:]
+    strict = run_python(code, env={"ASCEND_LAYERWISE_PATCH_SKIP": "guard_wiat", "ASCEND_LAYERWISE_PATCH_STRICT": "1"}, check=False)
+    assert strict.returncode != 0 and "PatchError" in strict.stderr and "guard_wiat" in strict.stderr
+
+
+@pytest.mark.pairs("v0251")
+def test_check_sh_says_what_it_does_shows_every_copy_explains_triton_and_settles():
+    """The README's first command, end to end (its environments already built by the matrix)."""
+    env = {"ALP_MATRIX_DIR": str(Path(sys.prefix).parent)}
+    proc = subprocess.run(["bash", "scripts/check.sh"], cwd=ROOT, env=_child_env(env), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    # Point 9: one line per step, before the long silent parts.
+    steps = [line for line in lines if line.startswith(("check.sh: ", "env: "))]
+    assert [s.split(":")[0] for s in steps] == ["check.sh", "env", "env", "check.sh"], steps
+    # Point 2: every copy of the save helper has its own row and state.
+    rows = {tuple(line.split()[:3]) for line in lines if line.startswith("  copy ")}
+    for module in SAVE_COPIES:
+        assert ("copy", f"{module}:maybe_save_kv_layer_to_connector", "applied") in rows, module
+    # Point 9: the stand-in's Triton lines are followed by one line saying they are expected.
+    note = [i for i, line in enumerate(lines) if "expected under --cpu" in line]
+    triton = [i for i, line in enumerate(lines) if line.startswith(("WARNING", "ERROR")) and "riton" in line]
+    assert triton and len(note) == 1 and note[0] > max(triton), proc.stdout[-4000:]
+    # Point 6: one summary line, logged once nothing is pending.
+    summaries = [line for line in lines if SUMMARY in line]
+    assert len(summaries) == 1 and "=pending(" not in summaries[0], summaries
+
+
+@pytest.mark.pairs(*ALL_PAIRS)
+def test_check_json_records_every_place_with_its_state():
+    proc = run_cli("check", "--cpu", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    patches = {p["name"]: p for p in doc["patches"]}
+    states = {name: p["state"] for name, p in patches.items()}
+    for p in doc["patches"]:
+        assert p["places"][0] == {"place": p["target"], "role": "target", "state": p["state"], "reason": p["reason"]}
+    if PAIR == "v0251":
+        assert {states[n] for n in ("guard_wait", "guard_save", "gdn_layerwise")} == {"applied"}
+        places = {q["place"]: q["state"] for q in patches["guard_save"]["places"]}
+        assert {f"{m}:maybe_save_kv_layer_to_connector" for m in SAVE_COPIES} <= set(places)
+        assert {places[f"{m}:maybe_save_kv_layer_to_connector"] for m in SAVE_COPIES} == {"applied"}
+        assert not [q for p in doc["patches"] for q in p["places"] if q["state"] in ("pending", "failed")]
+    elif PAIR == "v0250":
+        assert states["guard_wait"] == "applied" and states["gdn_layerwise"] == "skipped"
+        gdn_copy = {q["place"]: q for q in patches["guard_save"]["places"]}["vllm_ascend.ops.gdn:maybe_save_kv_layer_to_connector"]
+        assert gdn_copy["state"] == "skipped" and "does not import" in gdn_copy["reason"]
+    else:
+        assert set(states.values()) == {"skipped"}
+
+
+@pytest.mark.pairs("v0251", "v0250")
+def test_a_copy_that_cannot_be_patched_fails_its_group():
+    """Point 2: a copy holding someone else's function is not silence: the group comes off and fails."""
+    standins = f"import runpy; runpy.run_path(r'{ROOT / 'ascend_layerwise_patch' / 'cpu_standins.py'}')['install']()\n"
+    proc = run_python(
+        standins
+        + """
+import json
+import vllm_ascend.ops
+import vllm_ascend.attention.utils as u, vllm_ascend.attention.mla_v1 as mla
+def not_the_helper(layer_name):  # another library's wrapper, left in one copy
+    return None
+mla.wait_for_kv_layer_from_connector = not_the_helper
+import ascend_layerwise_patch as alp
+st = {s.name: s for s in alp.status()}
+print("RESULT " + json.dumps({
+    "wait": st["guard_wait"].state, "reason": st["guard_wait"].reason, "save": st["guard_save"].reason,
+    "patched": hasattr(u.wait_for_kv_layer_from_connector, "__ascend_layerwise_patch__"),
+    "mla": {p["place"]: p["state"] for p in st["guard_wait"].places}["vllm_ascend.attention.mla_v1:wait_for_kv_layer_from_connector"],
+}))
+"""
+    )
+    out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT ") :])
+    assert out["wait"] == "failed" and "mla_v1:wait_for_kv_layer_from_connector holds __main__.not_the_helper" in out["reason"]
+    assert out["save"] == "group connector_guards left unpatched: guard_wait failed"
+    assert out["patched"] is False and out["mla"] == "failed"
+
+
+@pytest.mark.pairs("v0251")
+def test_a_worker_logs_the_summary_once_its_targets_are_in_not_before():
+    """Point 6 in a serving process: a worker of a non-310P NPU imports vllm-ascend's worker patches,
+    the attention helpers and the AscendStore pool, never the 310P GDN module. One summary line,
+    logged once that is done (not at activation, not only at exit), the 310P group pending."""
+    standins = f"import runpy; runpy.run_path(r'{ROOT / 'ascend_layerwise_patch' / 'cpu_standins.py'}')['install']()\n"
+    proc = run_python(
+        standins
+        + """
+import ascend_layerwise_patch
+print("IMPORTED", flush=True)
+import vllm_ascend.patch.worker, vllm_ascend.attention.utils
+import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector
+print("END", flush=True)
+"""
+    )
+    lines = proc.stdout.splitlines()
+    summaries = [i for i, line in enumerate(lines) if SUMMARY in line]
+    assert len(summaries) == 1, proc.stdout[-3000:]
+    assert lines.index("IMPORTED") < summaries[0] < lines.index("END"), proc.stdout[-3000:]
+    assert "gdn_layerwise_310p=pending(" in lines[summaries[0]]
+    assert ": guard_wait; guard_save; gdn_layerwise; gdn_layerwise_310p=pending(" in lines[summaries[0]]
