@@ -23,7 +23,9 @@ def report(**kw):
     print("RESULT " + json.dumps(kw))
 """
 
-IN_RANGE = ("v0251", "v0250")
+IN_RANGE = ("v0251", "v0250", "v0260")
+#: in range, and vllm-ascend's ops.gdn imports (on vLLM 0.25.0 it does not): every group applies
+FULL = ("v0251", "v0260")
 
 
 def result(proc) -> dict:
@@ -62,7 +64,7 @@ report(wait=ours(u.wait_for_kv_layer_from_connector), save=ours(u.maybe_save_kv_
     assert out == {"wait": "guard_wait", "save": "guard_save"}
 
 
-@pytest.mark.pairs("v0251")
+@pytest.mark.pairs(*FULL)
 def test_import_then_activate_patches_existing_copies():
     out = result(
         run_python(
@@ -134,7 +136,7 @@ report(back=back, again=ours(u.wait_for_kv_layer_from_connector), alias=ours(mla
     assert out == {"back": True, "again": "guard_wait", "alias": "guard_wait", "inner": True}
 
 
-@pytest.mark.pairs("v0251")
+@pytest.mark.pairs(*FULL)
 @pytest.mark.parametrize("ours_first", [True, False], ids=["ours-first", "worker-patches-first"])
 def test_vllm_ascend_worker_patches_keep_ours(ours_first):
     """NPUWorker imports vllm_ascend.patch.worker late; its copies must end up pointing at ours."""
@@ -184,7 +186,7 @@ def test_spawned_child_gets_patches_through_vllm_plugins(plugins, patched):
     assert out["wait"] == ("guard_wait" if patched else None)
 
 
-@pytest.mark.pairs("v0240", "v0260")
+@pytest.mark.pairs("v0240")
 def test_out_of_range_pairs_patch_nothing():
     out = result(
         run_python(
@@ -200,7 +202,7 @@ report(wait=ours(u.wait_for_kv_layer_from_connector), states=sorted({s.state for
     )
     assert out["wait"] is None
     assert out["states"] == ["skipped"]
-    assert all(r.startswith("version out of range: vllm 0.2") and "outside >=0.25.0,<0.26" in r for r in out["reasons"])
+    assert all(r.startswith("version out of range: vllm 0.2") and "outside >=0.25.0,<0.27" in r for r in out["reasons"])
 
 
 DRIFT = """
@@ -258,7 +260,7 @@ def test_disabled_by_environment():
     assert out == {"wait": None, "reasons": ["disabled by ASCEND_LAYERWISE_PATCH=0"]}
 
 
-@pytest.mark.pairs(*IN_RANGE, "v0240", "v0260")
+@pytest.mark.pairs(*IN_RANGE, "v0240")
 def test_check_command_exit_code_and_json():
     proc = run_python(
         "import sys; from ascend_layerwise_patch.cli import main; sys.exit(main(['check', '--cpu', '--json']))",
@@ -267,8 +269,24 @@ def test_check_command_exit_code_and_json():
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     states = {p["name"]: p["state"] for p in doc["patches"]}
-    if PAIR == "v0251":
+    if PAIR in FULL:
         assert {states[n] for n in ("guard_wait", "guard_save", "gdn_layerwise")} == {"applied"}
+    if PAIR == "v0251":
+        assert states["postprocess_kernel"] == "applied"
+    elif PAIR == "v0260":  # vllm-ascend 0.26.0rc1's kernel already has the 23 parameters: left in place
+        kernel = [p for p in doc["patches"] if p["name"] == "postprocess_kernel"][0]
+        assert kernel["state"] == "skipped" and "fixed upstream" in kernel["reason"], kernel
+        swapped = [
+            p["name"]
+            for p in doc["patches"]
+            if p["state"] == "applied"
+            and any(t.endswith(":postprocess_mamba_fused_kernel") for t in [p["target"], *p["aliases"]])
+        ]
+        assert swapped == []
+        from ascend_layerwise_patch.patches import connector_guards, gdn_layerwise, mamba_lifetime
+
+        widened = [s.name for m in (connector_guards, gdn_layerwise, mamba_lifetime) for s in m.SPECS]
+        assert {states[n] for n in [*widened, "postprocess_v2_out_buffer"]} == {"applied"}, states
     elif PAIR == "v0250":
         assert states["guard_wait"] == "applied" and states["gdn_layerwise"] == "skipped"
     else:
