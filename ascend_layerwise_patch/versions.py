@@ -6,8 +6,8 @@ or a local build counts as the release it leads to:
     0.25.1rc1, 0.25.1.dev12+g54503ec, 0.25.1+cpu, 0.25.1.post2  ->  0.25.1
 
 That is what a user of vllm-ascend expects (its releases are all ``rcN`` pre-releases, and vLLM
-built from a checkout carries ``.devN+gSHA``), and it keeps ``>=0.25.0,<0.26`` from admitting
-``0.26.0rc1`` or a ``0.26.0.dev`` build. Range checks never decide alone: every patch also checks
+built from a checkout carries ``.devN+gSHA``), and it keeps ``>=0.25.0,<0.27`` from admitting
+``0.27.1rc1`` or a ``0.27.0.dev`` build. Range checks never decide alone: every patch also checks
 that its target still looks the way it expects (its precondition), so a pre-release whose code
 drifted is refused by that check rather than by the version number.
 """

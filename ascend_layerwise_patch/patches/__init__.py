@@ -13,7 +13,7 @@ imports nothing heavy at import time (factories import their targets' neighbours
             is misaligned.
    How:     call through only when ``connector.has_connector_metadata()``, as vLLM's own
             ``maybe_transfer_kv_layer`` does.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
    Remove:  when vllm-ascend's helpers check it (detected: the patch then skips itself).
 
 ** gdn_layerwise ** and ** gdn_layerwise_310p ** (``gdn_layerwise.py``)
@@ -26,7 +26,7 @@ imports nothing heavy at import time (factories import their targets' neighbours
    How:     wait_for_kv_layer_from_connector(self.prefix), then record_attention_compute_start(),
             at the entry of _forward_core (eager, inside the qwen_gdn_attention_core custom op;
             forward is Dynamo-traced with fullgraph=True).
-   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
    Remove:  when vllm-ascend's _forward_core waits itself (detected: the patch then skips itself).
 
 ** mamba_lifetime ** (``mamba_lifetime.py``)
@@ -46,7 +46,8 @@ imports nothing heavy at import time (factories import their targets' neighbours
             every worker has. A raising copy's task list is cleared so it is not re-sent. The six
             specs apply together or not at all. ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION=0
             holds mamba blocks only (full attention is then exposed after a save timeout).
-   Upstream: not fixed in vllm-ascend 0.25.1rc1 (leaks); the seed change trades the leak for the race.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1 (leaks); the seed change trades the
+            leak for the race (on 0.25.1rc1; 0.26.0rc1's save_kv_layer no longer times out).
    Remove:  when vllm-ascend's layer sending thread reports completed events (detected: the whole
             group then skips itself).
 
@@ -86,10 +87,11 @@ imports nothing heavy at import time (factories import their targets' neighbours
             temporal copies across programs. The V2 caller is replaced by one that passes a
             snapshot to read and the live counts as the out buffer. On an H200: 1.4x-61x faster
             than vLLM 0.25.1's kernel, 1.22-1.34x the time of a plain copy of the same bytes.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1 (0.26.0rc1 has the 23 parameters); vLLM 0.26.0's
-            V2 caller still passes no out buffer.
-   Remove:  when vllm-ascend's kernel takes state_dim_row_count_ptr and vLLM's V2 caller passes an
-            out buffer (both detected: each patch then skips itself); at the latest with vLLM 0.26.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1; vllm-ascend 0.26.0rc1's kernel has the 23
+            parameters (postprocess_kernel is skipped there, vllm-ascend's kernel stays in place);
+            vLLM 0.26.0's V2 caller still passes no out buffer (postprocess_v2_out_buffer applies).
+   Remove:  when vllm-ascend's kernel takes the 23 parameters and vLLM's V2 caller passes an out
+            buffer (both detected: each patch then skips itself).
 
 ** gdn_tp_keys ** (``gdn_tp_keys.py``)
    Target:  ascend_store.pool_worker.KVPoolWorker.{_make_layerwise_gva_key,

@@ -2,7 +2,8 @@
 
 Target   vllm_ascend.attention.utils: wait_for_kv_layer_from_connector,
          maybe_save_kv_layer_to_connector (and every ``from ... import`` copy of them)
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases)
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases); the helpers and their six
+         copies are unchanged in vllm-ascend 0.26.0rc1
 Why      Both helpers call the connector whenever a KV transfer group exists and the forward
          context carries attention metadata -- also in the profile run and in dummy runs, where
          the scheduler bound no connector metadata. The AscendStore pool worker counts layers
@@ -24,8 +25,8 @@ import functools
 
 from ..registry import PatchSpec, copies_in_source
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 MODULE = "vllm_ascend.attention.utils"
 
 #: modules known to copy the helpers with ``from vllm_ascend.attention.utils import ...``; the

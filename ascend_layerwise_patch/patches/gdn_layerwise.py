@@ -5,7 +5,8 @@ Target   vllm_ascend.ops.gdn: AscendGatedDeltaNetAttention._forward_core, and th
          (``_GDN_PATCH_TARGET``), whichever runs first. Separately (own group), the 310P variant
          vllm_ascend._310p.ops.fla.gdn_310: AscendGatedDeltaNetAttention310._forward_core, which
          ``patch_qwen3_5`` installs instead on 310P.
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (on vLLM 0.25.0, vllm-ascend 0.25.1rc1's
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (both _forward_core s are unchanged in
+         vllm-ascend 0.26.0rc1; on vLLM 0.25.0, vllm-ascend 0.25.1rc1's
          ops.gdn does not import at all, so the group is skipped there: nothing can run it).
 Why      Full-attention layers go through vLLM's ``maybe_transfer_kv_layer`` (wait for the layer,
          compute, save); GDN layers only save, at the end of ``_forward_core``. With
@@ -44,8 +45,8 @@ from ..registry import PatchSpec
 from . import mamba_precopy
 from .connector_guards import STATE
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 PARAMS = ["self", "mixed_qkv", "b", "a", "core_attn_out"]
 QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core"
 

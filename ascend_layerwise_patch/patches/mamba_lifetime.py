@@ -7,7 +7,10 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
          kv_transfer.KVCacheStoreLayerSendingThread._handle_request,
          kv_transfer.KVCacheStoreKeyLayerSendingThread._handle_request     (worker half;
          both reached as pool_worker's names for these classes)
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases)
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). vllm-ascend 0.26.0rc1
+         still leaks the same way; its ``save_kv_layer`` waits for the step's last layer without a
+         limit and a failed copy stops the sending thread (the worker raises), so there a send no
+         longer outlives its step through the 10 s timeout described below.
 Why      For hybrid models the scheduler gives every saving request's mamba blocks an extra
          reference under a new ``event_id`` and frees them once every worker reports that event in
          ``completed_events``. Only the non-layerwise sending thread reports; with
@@ -58,8 +61,8 @@ import threading
 from ..registry import PatchSpec
 from . import send_integrity as _integrity
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "mamba_lifetime"
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 ENV_HOLD_ATTENTION = "ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION"

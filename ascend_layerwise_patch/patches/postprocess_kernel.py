@@ -4,8 +4,10 @@ Target   vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel
          of it that vllm-ascend's ``patch/worker/patch_mamba_utils`` makes: its own module global
          and ``vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel``;
          vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align (V2 caller)
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). vLLM 0.24 calls the
-         kernel with 20 parameters; 0.26 keeps the 23 but has its own vllm-ascend release.
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). vLLM 0.24 calls the
+         kernel with 20 parameters. vllm-ascend 0.26.0rc1's kernel takes the 23 itself, so there
+         ``postprocess_kernel`` is skipped (fixed upstream) and vllm-ascend's kernel stays in place;
+         vLLM 0.26.0's V2 caller still passes no out buffer, so ``postprocess_v2_out_buffer`` applies.
 Why      vllm-ascend 0.25.1rc1 still ships the 17-parameter kernel of vLLM 0.23 and installs it as
          vLLM's ``postprocess_mamba_fused_kernel``, while both of vLLM 0.25's callers (V1
          ``run_fused_postprocess`` and V2 ``run_fused_postprocess_align``) pass 23: every
@@ -27,8 +29,8 @@ How      ``postprocess_kernel``: installs :class:`~ascend_layerwise_patch.kernel
          ``HAS_IDX_MAPPING``. One small device copy (``max_num_reqs`` int32) per V2 step.
          Both are one group: they apply together or not at all.
 Removal  When vllm-ascend's kernel takes the 23 parameters (detected: ``postprocess_kernel`` then
-         skips itself) and vLLM's V2 caller passes an out buffer (detected from the names it uses:
-         ``postprocess_v2_out_buffer`` then skips itself); at the latest with vLLM 0.26.
+         skips itself -- the case from vllm-ascend 0.26.0rc1 on) and vLLM's V2 caller passes an out
+         buffer (detected from the names it uses: ``postprocess_v2_out_buffer`` then skips itself).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ import functools
 from ..kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
 from ..registry import PatchSpec
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "postprocess_kernel"
 ASCEND_KERNEL = "vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel"
 V2_CALLER = "vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align"
@@ -102,8 +104,8 @@ def _old_kernel(original) -> str | None:
 
 
 def _ascend_has_new_signature(original) -> str | None:
-    if "state_dim_row_count_ptr" in kernel_params(original):
-        return "vllm-ascend's kernel already takes state_dim_row_count_ptr (vLLM 0.25's signature)"
+    if kernel_params(original) == list(PARAMS):
+        return f"vllm-ascend's kernel already takes vLLM's {len(PARAMS)} parameters"
     return None
 
 

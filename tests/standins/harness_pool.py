@@ -145,12 +145,17 @@ class Backend:
             gvas.append(base)
         return gvas
 
+    def batch_is_exist(self, keys):  # vllm-ascend 0.26: are cached GVAs still there (1) or evicted (0)
+        known = set(self._key_of_base.values())
+        return [int(key in known) for key in keys]
+
     def batch_write_finish(self, keys, results):
         with self.lock:
             for key, res in zip(keys, results):
                 self.finished[key] = res
                 if res == 0 and self.written.get(key, set()) != set(range(self.num_slots(key))):
                     self.stale_ready.append(key)
+        return [0] * len(keys)  # vllm-ascend 0.26 checks one result per key
 
     @staticmethod
     def num_slots(key: str) -> int:
@@ -227,6 +232,7 @@ def make_scheduler(pool: BlockPool, world_size: int) -> KVPoolScheduler:
     s.cache_transfer_granularity = s._infer_cache_transfer_granularity()
     s._discard_partial_chunks = True
     s.tp_mismatch = False
+    s.layerwise_offload = s.use_eagle = False  # read from vllm-ascend 0.26 on (layer reuse, EAGLE)
     s.model_name = "m"
     s.load_specs = {}
     s._request_trackers = {}
@@ -278,6 +284,10 @@ def make_worker(rank: int, tp: int, backend: Backend) -> KVPoolWorker:
     w._invalid_block_ids = set()
     w._invalid_block_ids_lock = threading.Lock()
     w.kv_recv_thread = None
+    # read from vllm-ascend 0.26 on: no layer reuse (offload), no EAGLE, no external slot waiter
+    w.layerwise_offload = w.use_eagle = False
+    w.independent_layers, w.prefetch_layer_map = [], {}
+    w.external_slot_release_waiter = None
     db = ChunkedTokenDatabase(metadata=[], block_size=[BS, BS], partitions=None, use_hybrid=True)
     for g, n in GROUP_LAYERS.items():
         # address = base(group, layer) + block_id * 1: the backend reads the block id back

@@ -106,6 +106,20 @@ def test_check_json_records_every_place_with_its_state():
         assert states["guard_wait"] == "applied" and states["gdn_layerwise"] == "skipped"
         gdn_copy = {q["place"]: q for q in patches["guard_save"]["places"]}["vllm_ascend.ops.gdn:maybe_save_kv_layer_to_connector"]
         assert gdn_copy["state"] == "skipped" and "does not import" in gdn_copy["reason"]
+    elif PAIR == "v0260":  # vllm-ascend 0.26.0rc1's kernel already has the 23 parameters: left in place
+        kernel = patches["postprocess_kernel"]
+        assert kernel["state"] == "skipped" and "fixed upstream" in kernel["reason"], kernel
+        swapped = [
+            p["name"]
+            for p in doc["patches"]
+            if p["state"] == "applied"
+            and any(t.endswith(":postprocess_mamba_fused_kernel") for t in [p["target"], *p["aliases"]])
+        ]
+        assert swapped == []
+        from ascend_layerwise_patch.patches import connector_guards, gdn_layerwise, mamba_lifetime
+
+        widened = [s.name for m in (connector_guards, gdn_layerwise, mamba_lifetime) for s in m.SPECS]
+        assert {states[n] for n in [*widened, "postprocess_v2_out_buffer"]} == {"applied"}, states
     else:
         assert set(states.values()) == {"skipped"}
 

@@ -14,7 +14,7 @@ import pytest
 
 import ascend_layerwise_patch as alp
 
-pytestmark = pytest.mark.pairs("v0251")
+pytestmark = pytest.mark.pairs("v0251", "v0260")
 
 # (module, names it copied from vllm_ascend.attention.utils)
 COPIES = {

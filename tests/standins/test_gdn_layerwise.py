@@ -22,7 +22,7 @@ import torch
 
 import ascend_layerwise_patch as alp
 
-pytestmark = pytest.mark.pairs("v0251")
+pytestmark = pytest.mark.pairs("v0251", "v0260")
 
 
 class NPUComputeUnavailable(Exception):

@@ -13,13 +13,14 @@ import pytest
 from ascend_layerwise_patch.kernels.postprocess import PARAMS
 from ascend_layerwise_patch.patches import postprocess_kernel as pk
 
-from support import run_python
+from support import PAIR, run_python
 
 NAMES = ("postprocess_kernel", "postprocess_v2_out_buffer")
 
 PROBE = """
 import json
 from ascend_layerwise_patch.kernels.postprocess import PostprocessKernel
+from ascend_layerwise_patch.patches.postprocess_kernel import kernel_params
 
 def probe():
     import sys
@@ -36,7 +37,7 @@ def probe():
         "status": {s.name: [s.state, s.reason] for s in alp.status() if s.name in %r},
         "ours": {k: isinstance(v, PostprocessKernel) for k, v in kernels.items() if v is not None},
         "same": len({id(v) for v in kernels.values() if v is not None}) == 1,
-        "params": list(kernels["vllm"].arg_names) if isinstance(kernels["vllm"], PostprocessKernel) else None,
+        "params": kernel_params(kernels["vllm"]),
         "v2_tag": getattr(v2, "__ascend_layerwise_patch__", None),
     }))
 """ % (NAMES,)
@@ -50,21 +51,28 @@ def run(body: str, env: dict[str, str] | None = None) -> dict:
 
 
 def assert_in_force(found: dict, *, places: set[str]) -> None:
-    for name in NAMES:
-        assert found["status"][name][0] == "applied", found["status"]
-    assert found["ours"] == {place: True for place in places}, found["ours"]
+    """v0251: our kernel everywhere; v0260: vllm-ascend's own kernel (it has the 23 parameters)
+    left in place everywhere, the swap reported as fixed upstream. The V2 caller is ours on both."""
+    if PAIR == "v0260":
+        state, reason = found["status"]["postprocess_kernel"]
+        assert state == "skipped" and "fixed upstream" in reason, (state, reason)
+        assert found["status"]["postprocess_v2_out_buffer"][0] == "applied", found["status"]
+    else:
+        for name in NAMES:
+            assert found["status"][name][0] == "applied", found["status"]
+    assert found["ours"] == {place: PAIR != "v0260" for place in places}, found["ours"]
     assert found["same"], "one kernel object at every place"
     assert found["params"] == list(PARAMS)
     assert found["v2_tag"] == "postprocess_v2_out_buffer"
 
 
-@pytest.mark.pairs("v0251")
+@pytest.mark.pairs("v0251", "v0260")
 def test_activated_first_then_ascend_patch():
     found = run("import ascend_layerwise_patch\nimport vllm_ascend.patch.worker.patch_mamba_utils\n")
     assert_in_force(found, places={"ascend", "vllm", "ascend_patch"})
 
 
-@pytest.mark.pairs("v0251")
+@pytest.mark.pairs("v0251", "v0260")
 def test_ascend_patch_first_then_activated():
     """vllm-ascend's patch_mamba_utils already copied its 17-parameter kernel into vLLM when the
     library activates (importing the stand-ins imports the package, so it starts switched off
@@ -75,10 +83,10 @@ def test_ascend_patch_first_then_activated():
         env={"ASCEND_LAYERWISE_PATCH": "0"},
     )
     assert_in_force(found, places={"ascend", "vllm", "ascend_patch"})
-    assert "late" in found["status"]["postprocess_kernel"][1]
+    assert "late" in found["status"]["postprocess_kernel" if PAIR != "v0260" else "postprocess_v2_out_buffer"][1]
 
 
-@pytest.mark.pairs("v0251")
+@pytest.mark.pairs("v0251", "v0260")
 def test_vllm_mamba_utils_first_then_ascend_patch():
     """vLLM's module alone triggers the group (its V2 caller is a target); vllm-ascend's patch,
     imported afterwards, copies the kernel it imports -- already ours -- into vLLM."""
@@ -100,7 +108,7 @@ def test_vllm_0250_kernel_and_v2_caller():
     assert found["v2_tag"] == "postprocess_v2_out_buffer"
 
 
-@pytest.mark.pairs("v0240", "v0260")
+@pytest.mark.pairs("v0240")
 def test_out_of_range_pairs_are_skipped_with_the_reason():
     found = run("import ascend_layerwise_patch\nimport vllm_ascend.ops.triton.mamba.postprocess\n")
     for name in NAMES:
@@ -110,7 +118,7 @@ def test_out_of_range_pairs_are_skipped_with_the_reason():
     assert found["v2_tag"] is None
 
 
-@pytest.mark.pairs("v0251", "v0250")
+@pytest.mark.pairs("v0251", "v0250", "v0260")
 def test_detectors_on_the_real_objects():
     """Precondition and fixed-upstream checks against the shipped code, not look-alikes."""
     import importlib
@@ -120,9 +128,14 @@ def test_detectors_on_the_real_objects():
 
     kernel = ascend.postprocess_mamba_fused_kernel
     original = getattr(kernel, "__wrapped__", kernel)  # the group may have applied in this process
-    assert pk.kernel_params(original) == pk.OLD_PARAMS
-    assert pk._old_kernel(original) is None
-    assert pk._ascend_has_new_signature(original) is None
+    if PAIR == "v0260":  # vllm-ascend 0.26.0rc1 ships vLLM's 23-parameter kernel: fixed upstream
+        assert pk.kernel_params(original) == list(PARAMS)
+        assert "23 parameters" in pk._ascend_has_new_signature(original)
+        assert pk._old_kernel(original) is not None
+    else:
+        assert pk.kernel_params(original) == pk.OLD_PARAMS
+        assert pk._old_kernel(original) is None
+        assert pk._ascend_has_new_signature(original) is None
     caller = mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align
     caller = getattr(caller, "__wrapped__", caller)
     assert pk._v2_caller_as_expected(caller) is None
