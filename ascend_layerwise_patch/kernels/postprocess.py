@@ -100,9 +100,13 @@ PARAMS = (
 _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
-COPY_BYTES = 16384  # bytes per copy step (one tile): 16 words of 8 bytes per thread of 4 warps
-DS_ROWS = 256  # rows of a dim-first tile (4 KiB); at 512 rows of bytes its 64-bit addresses spill
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
+SHIFT_BYTES = 4096  # bytes per step of the in-place shift (one program; a step never exceeds the shift)
+#: (bytes per copy step, rows per dim-first tile) by Triton backend. An NPU vector core stages
+#: every tile in its 192 KiB unified buffer, double-buffered by bishengir: 8 KiB steps keep the
+#: planned UB near half of it (tests/ascend_compile). A GPU keeps a tile in registers and wants
+#: bytes in flight: see scripts/bench_postprocess.py --sweep.
+TILES = {"npu": (8192, 64), "gpu": (16384, 256)}
 MAX_PIECES = 32
 PROGRAMS_PER_CORE = 8
 
@@ -233,6 +237,7 @@ def _postprocess_kernel(
     PRECOMPUTED_NEW_COMPUTED: tl.constexpr,
     REQ_BLOCK: tl.constexpr,
     COPY_BYTES: tl.constexpr,
+    SHIFT_BYTES: tl.constexpr,
     DS_ROWS: tl.constexpr,
     DS_COLS: tl.constexpr,
 ):
@@ -289,40 +294,45 @@ def _postprocess_kernel(
         dim_rows = tl.load(state_dim_row_count_ptr + state_idx)
         row_stride = tl.load(state_dim_row_stride_ptr + state_idx).to(tl.int64)
 
-    # -- walk the copying requests in order: the next lane above `prev` that copies
+    # -- every copying request's region at once: block ids gathered as vectors (one round of
+    # memory latency for the batch, none inside the walk), then per lane the source offset inside
+    # its block and the byte count. nbytes < 0 marks each layout's special region: rows of a
+    # shifted dim-first conv state (DS), or the in-place shift (SD: source block == destination).
+    temporal = width == 0
+    tok = bias.to(tl.int64)
+    rows_at = table + batch.to(tl.int64) * block_table_stride_req
+    dst_block = tl.load(rows_at + dst_col, mask=copies, other=0)
+    src_block = tl.load(rows_at + tl.where(temporal, src_col + bias, src_col), mask=copies, other=0)
+    if CONV_STATE_DIM_FIRST:
+        row_bytes = tl.maximum(width - bias, 0).to(tl.int64) * elem
+        packed = (bias == 0) & (row_bytes == row_stride)  # whole packed rows: one span
+        src_off = tl.where(temporal | packed, 0, tok * elem)
+        nbytes = tl.where(temporal, inner * elem, tl.where(packed, dim_rows * row_stride, -row_bytes))
+    else:
+        src_off = tl.where(temporal, 0, tok * inner * elem)
+        nbytes = tl.where(temporal, inner * elem, tl.maximum(width - bias, 0).to(tl.int64) * inner * elem)
+        in_place = ~temporal & (src_block == dst_block)
+        nbytes = tl.where(in_place, tl.where(bias > 0, -nbytes, 0), nbytes)
+
+    # -- walk the copying requests in order: the next lane above `prev` that copies. Addresses are
+    # built from the reduced int32 block ids (triton-ascend's pointer analysis cannot follow a
+    # reduced int64 address into the pointer cast).
     prev = state_idx * 0 - 1
     for _ in range(0, n_copies):
         cur = tl.min(tl.where(copies & (lane > prev), lane, REQ_BLOCK), axis=0)
         prev = cur
         pick = lane == cur
-        s_col = tl.sum(tl.where(pick, src_col, 0), axis=0)
-        d_col = tl.sum(tl.where(pick, dst_col, 0), axis=0)
-        tok = tl.sum(tl.where(pick, bias, 0), axis=0)
-        row = table + (first_row + cur).to(tl.int64) * block_table_stride_req
-        dst_block = tl.load(row + d_col).to(tl.int64)  # int64 before * stride: strides pass 2**31
-        dst = base + dst_block * block_stride
-        if width > 0:
-            src_block = tl.load(row + s_col).to(tl.int64)
-            src = base + src_block * block_stride
-            if CONV_STATE_DIM_FIRST:
-                row_bytes = (width - tok).to(tl.int64) * elem
-                if (tok == 0) & (row_bytes == row_stride):  # whole packed rows: one span
-                    _copy_piece(src, dst, dim_rows * row_stride, piece, pieces, COPY_BYTES)
-                else:
-                    _copy_row_span(
-                        src + tok * elem, dst, dim_rows, row_stride, row_bytes, piece, pieces, DS_ROWS, DS_COLS
-                    )
-            else:
-                shift = tok.to(tl.int64) * inner * elem
-                nbytes = (width - tok).to(tl.int64) * inner * elem
-                if src_block == dst_block:
-                    if (piece == 0) & (shift > 0):
-                        _shift_in_place(src + shift, dst, nbytes, COPY_BYTES)
-                else:
-                    _copy_piece(src + shift, dst, nbytes, piece, pieces, COPY_BYTES)
-        else:
-            src_block = tl.load(row + s_col + tok).to(tl.int64)
-            _copy_piece(base + src_block * block_stride, dst, inner * elem, piece, pieces, COPY_BYTES)
+        s_block = tl.sum(tl.where(pick, src_block, 0), axis=0).to(tl.int64)  # int64 before * stride
+        d_block = tl.sum(tl.where(pick, dst_block, 0), axis=0).to(tl.int64)
+        s = base + s_block * block_stride + tl.sum(tl.where(pick, src_off, 0), axis=0)
+        d = base + d_block * block_stride
+        n = tl.sum(tl.where(pick, nbytes, 0), axis=0)
+        if n >= 0:
+            _copy_piece(s, d, n, piece, pieces, COPY_BYTES)
+        elif CONV_STATE_DIM_FIRST:
+            _copy_row_span(s, d, dim_rows, row_stride, -n, piece, pieces, DS_ROWS, DS_COLS)
+        elif piece == 0:
+            _shift_in_place(s, d, -n, SHIFT_BYTES)
 
 
 _TRITON_FUNCTIONS = (
@@ -357,21 +367,28 @@ def compiled():
 
 # ----------------------------------------------------------------------------- launcher
 
-_cores: dict[Any, int | None] = {}
+_devices: dict[str, tuple[str, int | None]] = {}
 
 
-def device_cores(device) -> int | None:
-    """Vector cores (triton-ascend) or SMs (CUDA) of ``device``, from Triton's driver; else None."""
+def device_info(device) -> tuple[str, int | None]:
+    """(``"npu"`` or ``"gpu"``, vector cores / SMs) of ``device`` from Triton's driver; the
+    interpreter or no driver: ``("gpu", None)``."""
     key = str(device)
-    if key not in _cores:
+    if key not in _devices:
         try:
             from triton.runtime import driver
 
+            backend = "npu" if driver.active.get_current_target().backend == "npu" else "gpu"
             props = driver.active.utils.get_device_properties(getattr(device, "index", None) or 0)
-            _cores[key] = int(props.get("num_vectorcore") or props.get("multiprocessor_count") or 0) or None
-        except Exception:  # noqa: BLE001 - interpreter, no driver: fall back to the default
-            _cores[key] = None
-    return _cores[key]
+            cores = int(props.get("num_vectorcore") or props.get("multiprocessor_count") or 0) or None
+            _devices[key] = (backend, cores)
+        except Exception:  # noqa: BLE001 - interpreter, no driver: fall back to the defaults
+            _devices[key] = ("gpu", None)
+    return _devices[key]
+
+
+def device_cores(device) -> int | None:
+    return device_info(device)[1]
 
 
 def default_pieces(cores: int | None, states: int) -> int:
@@ -400,8 +417,8 @@ class PostprocessKernel:
         self,
         *,
         pieces: int | None = None,
-        copy_bytes: int = COPY_BYTES,
-        ds_rows: int = DS_ROWS,
+        copy_bytes: int | None = None,
+        ds_rows: int | None = None,
         num_warps: int | None = None,
     ):
         self.pieces = pieces
@@ -434,7 +451,10 @@ class PostprocessKernel:
         if rows <= 0 or states <= 0:
             return
         kernel = compiled()
-        pieces = self.pieces or default_pieces(device_cores(a["num_accepted_tokens_ptr"].device), states)
+        backend, cores = device_info(a["num_accepted_tokens_ptr"].device)
+        pieces = self.pieces or default_pieces(cores, states)
+        copy_bytes = self.copy_bytes or TILES[backend][0]
+        ds_rows = self.ds_rows or TILES[backend][1]
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
         kernel[(states, pieces, -(-rows // REQ_BLOCK))](
             *(a[p] for p in PARAMS[:17]),
@@ -444,8 +464,9 @@ class PostprocessKernel:
             HAS_IDX_MAPPING=bool(a["HAS_IDX_MAPPING"]),
             PRECOMPUTED_NEW_COMPUTED=bool(a["PRECOMPUTED_NEW_COMPUTED"]),
             REQ_BLOCK=REQ_BLOCK,
-            COPY_BYTES=self.copy_bytes,
-            DS_ROWS=self.ds_rows,
+            COPY_BYTES=copy_bytes,
+            SHIFT_BYTES=min(copy_bytes, SHIFT_BYTES),
+            DS_ROWS=ds_rows,
             DS_COLS=DS_COLS,
             **extra,
         )
