@@ -306,6 +306,10 @@ def case_step(torch, device, cache: Cache, n_reqs: int, copying: int, block_size
 
 # ----------------------------------------------------------------------------- modes
 
+#: --sweep: (pieces, copy step KiB, dim-first tile rows, warps), timed beside the defaults
+SWEEP = [(32, 16, 256, 4), (64, 16, 256, 4), (16, 32, 256, 4), (32, 32, 256, 4), (32, 8, 256, 4),
+         (64, 8, 256, 4), (16, 16, 256, 8), (32, 32, 256, 8)]
+
 
 def run_check(torch, device, ours, foreign, *, examples: int) -> bool:
     """Small random caches and steps (V1 and V2, both layouts, one or two groups, spec tokens 0
@@ -376,8 +380,8 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
     base = Cache(torch, device, blocks=3 * most + 1, dim_first=False, **shape)
     caches = {"SD": base, "DS": base.with_layout(True)}
     configs = {"ours": ours.PostprocessKernel()}
-    if sweep:  # pieces, copy tile bytes, dim-first tile rows, warps
-        for p, b, r, w in [(8, 16, 128, 4), (32, 16, 128, 4), (16, 32, 128, 4), (16, 16, 64, 4), (16, 16, 256, 4)]:
+    if sweep:
+        for p, b, r, w in SWEEP:
             configs[f"ours p{p} {b}k r{r} w{w}"] = ours.PostprocessKernel(
                 pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w)
     kernels = list(configs.items()) + [(k, foreign[k]) for k in ("vllm", "ascend") if foreign.get(k) is not None]
@@ -410,11 +414,21 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         del expected
         for clock in clocks:
             tables[clock].append((kind, lay, n, nbytes, results[clock]))
+    if sweep:
+        print_registers(ours.compiled())
     for clock, rows in tables.items():
         how = {"graph": "CUDA-graph replay: GPU time only", "eager": "launches from Python, L2 flushed"}
         print(f"\n### {clock} ({how.get(clock, 'interpreter, wall clock')})")
         print_table(rows)
     return ok
+
+
+def print_registers(fn):
+    """Registers and spills of every compiled specialisation (a GPU keeps a copy tile in them)."""
+    for caches in getattr(fn, "device_caches", {}).values():
+        for key, kernel in caches[0].items():
+            kernel._init_handles()
+            print(f"regs {kernel.n_regs:3d} spills {kernel.n_spills:3d} warps {kernel.metadata.num_warps}: {key[-90:]}")
 
 
 def print_table(rows):

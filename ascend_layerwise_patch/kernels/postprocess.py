@@ -101,7 +101,7 @@ _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
-SHIFT_BYTES = 4096  # bytes per step of the in-place shift (one program; a step never exceeds the shift)
+SHIFT_BYTES = 2048  # bytes per step of the in-place shift (one program; a step never exceeds the shift)
 #: (bytes per copy step, rows per dim-first tile) by Triton backend. An NPU vector core stages
 #: every tile in its 192 KiB unified buffer, double-buffered by bishengir: 8 KiB steps keep the
 #: planned UB near half of it (tests/ascend_compile). A GPU keeps a tile in registers and wants
@@ -143,9 +143,11 @@ def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
         dst_words = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
         _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8)
     else:
+        # Rare (real states are aligned): bytes, as many per step as words above, so this path
+        # costs no more registers (GPU) or unified buffer (NPU) than the fast one.
         src_bytes = src_addr.to(tl.pointer_type(tl.uint8))
         dst_bytes = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_tile_loop(src_bytes, dst_bytes, nbytes, COPY_BYTES)
+        _copy_tile_loop(src_bytes, dst_bytes, nbytes, COPY_BYTES // 8)
 
 
 def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr):
@@ -196,7 +198,8 @@ def _copy_row_span(
     src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr
 ):
     """Rows of a dim-first state as 4- or 2-byte elements where every address and length allows
-    (a bf16 window shifted by an even number of tokens moves as int32), else as bytes."""
+    (a bf16 window shifted by an even number of tokens moves as int32), else as bytes; a tile
+    holds ``ROWS * 4`` elements whatever their size (fewer rows of narrower elements)."""
     bits = src_addr | dst_addr | row_stride | row_bytes
     if (bits & 3) == 0:
         src4 = src_addr.to(tl.pointer_type(tl.int32))
@@ -205,11 +208,11 @@ def _copy_row_span(
     elif (bits & 1) == 0:
         src2 = src_addr.to(tl.pointer_type(tl.int16))
         dst2 = dst_addr.to(tl.pointer_type(tl.int16))
-        _copy_rows(src2, dst2, rows, row_stride // 2, row_bytes // 2, piece, pieces, ROWS, COLS // 2)
+        _copy_rows(src2, dst2, rows, row_stride // 2, row_bytes // 2, piece, pieces, ROWS // 2, COLS // 2)
     else:
         src1 = src_addr.to(tl.pointer_type(tl.uint8))
         dst1 = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_rows(src1, dst1, rows, row_stride, row_bytes, piece, pieces, ROWS, COLS)
+        _copy_rows(src1, dst1, rows, row_stride, row_bytes, piece, pieces, ROWS // 4, COLS)
 
 
 def _postprocess_kernel(
@@ -421,6 +424,10 @@ class PostprocessKernel:
         ds_rows: int | None = None,
         num_warps: int | None = None,
     ):
+        if copy_bytes is not None and (copy_bytes < 16 or copy_bytes & (copy_bytes - 1)):
+            raise ValueError(f"copy_bytes must be a power of two >= 16, got {copy_bytes}")
+        if ds_rows is not None and (ds_rows < 4 or ds_rows & (ds_rows - 1)):
+            raise ValueError(f"ds_rows must be a power of two >= 4, got {ds_rows}")
         self.pieces = pieces
         self.copy_bytes = copy_bytes
         self.ds_rows = ds_rows
