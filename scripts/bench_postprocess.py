@@ -306,9 +306,9 @@ def case_step(torch, device, cache: Cache, n_reqs: int, copying: int, block_size
 
 # ----------------------------------------------------------------------------- modes
 
-#: --sweep: (pieces, copy step KiB, dim-first tile rows, warps), timed beside the defaults
-SWEEP = [(32, 16, 256, 4), (64, 16, 256, 4), (16, 32, 256, 4), (32, 32, 256, 4), (32, 8, 256, 4),
-         (64, 8, 256, 4), (16, 16, 256, 8), (32, 32, 256, 8)]
+#: --sweep: (pieces, copy step KiB, dim-first tile rows, warps, max registers), timed beside the defaults
+SWEEP = [(16, 16, 128, 4, None), (64, 16, 128, 4, None), (32, 32, 128, 4, None), (32, 16, 128, 4, 80),
+         (32, 32, 128, 8, None), (64, 8, 128, 4, None), (32, 16, 64, 4, None), (16, 16, 128, 4, 80)]
 
 
 def run_check(torch, device, ours, foreign, *, examples: int) -> bool:
@@ -381,9 +381,9 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
     caches = {"SD": base, "DS": base.with_layout(True)}
     configs = {"ours": ours.PostprocessKernel()}
     if sweep:
-        for p, b, r, w in SWEEP:
-            configs[f"ours p{p} {b}k r{r} w{w}"] = ours.PostprocessKernel(
-                pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w)
+        for p, b, r, w, regs in SWEEP:
+            configs[f"ours p{p} {b}k r{r} w{w}{f' m{regs}' if regs else ''}"] = ours.PostprocessKernel(
+                pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w, max_registers=regs)
     kernels = list(configs.items()) + [(k, foreign[k]) for k in ("vllm", "ascend") if foreign.get(k) is not None]
     clocks = timers(torch, device)
     tables, ok = {clock: [] for clock in clocks}, True

@@ -5,6 +5,9 @@
 #                                 triton (for TRITON_INTERPRET=1), pytest, hypothesis, this package (editable)
 #   scripts/env.sh PAIR           .matrix/PAIR: a venv layered on base (a .pth adds base's site-packages)
 #                                 holding only vllm and vllm-ascend, installed with --no-deps
+#   scripts/env.sh ascendc        .matrix/ascendc: triton-ascend + ascendnpu-ir (bishengir) + pytest from
+#                                 requirements/ascendc.lock, for tests/ascend_compile; standalone (no base:
+#                                 triton-ascend replaces upstream triton), Python 3.9-3.11
 #
 # PAIR is one of the names in scripts/pairs.txt. Re-running is cheap: a finished venv is kept
 # (it records what it holds in .matrix/<name>/.done).
@@ -48,8 +51,22 @@ build_pair() {
   echo "$want" > "$venv/.done"
 }
 
-build_base
+build_ascendc() {
+  local venv=$root/ascendc
+  local want; want=$(sha1sum requirements/ascendc.lock | cut -c1-12)
+  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then return; fi
+  rm -rf "$venv"; "$py" -m venv "$venv"
+  pip_q "$venv" --no-deps -r requirements/ascendc.lock
+  "$venv/bin/python" -c "import triton.backends.ascend, ascendnpuir, pytest" \
+    || { echo "ascendc venv is broken (triton-ascend has wheels for Python 3.9-3.11 only)" >&2; exit 1; }
+  echo "$want" > "$venv/.done"
+}
+
+[ $# -eq 0 ] && set -- base
 for name in "$@"; do
-  [ "$name" = base ] && continue
-  build_pair "$name"
+  case "$name" in
+    base) build_base ;;
+    ascendc) build_ascendc ;;
+    *) build_base; build_pair "$name" ;;
+  esac
 done

@@ -101,14 +101,13 @@ _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
-SHIFT_BYTES = 2048  # bytes per step of the in-place shift (one program; a step never exceeds the shift)
 #: (bytes per copy step, rows per dim-first tile) by Triton backend. An NPU vector core stages
 #: every tile in its 192 KiB unified buffer, double-buffered by bishengir: 8 KiB steps keep the
 #: planned UB near half of it (tests/ascend_compile). A GPU keeps a tile in registers and wants
 #: bytes in flight: see scripts/bench_postprocess.py --sweep.
-TILES = {"npu": (8192, 64), "gpu": (16384, 256)}
+TILES = {"npu": (8192, 64), "gpu": (16384, 128)}
 MAX_PIECES = 32
-PROGRAMS_PER_CORE = 8
+PROGRAMS_PER_CORE = 16
 
 
 class _Placeholder:
@@ -123,55 +122,43 @@ tl: Any = _Placeholder()  # triton.language once compiled() has run
 # Plain functions until compiled() passes them to triton.jit and rebinds these module names.
 
 
-def _copy_tile_loop(src, dst, count, LANES: tl.constexpr):
-    """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles, masked tail."""
+def _copy_tile_loop(src, dst, count, LANES: tl.constexpr, TAIL: tl.constexpr):
+    """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles of ``LANES``,
+    then masked steps of ``TAIL`` (a runtime mask defeats vector access: a small tile keeps the
+    tail from setting the register count on a GPU, or the UB plan on an NPU)."""
     lanes = tl.arange(0, LANES)
     full = count // LANES * LANES
     for i in range(0, full, LANES):
         tl.store(dst + i + lanes, tl.load(src + i + lanes))
-    if full < count:
-        mask = full + lanes < count
-        tl.store(dst + full + lanes, tl.load(src + full + lanes, mask=mask), mask=mask)
+    tail = tl.arange(0, TAIL)
+    for j in range(full, count, TAIL):
+        mask = j + tail < count
+        tl.store(dst + j + tail, tl.load(src + j + tail, mask=mask), mask=mask)
 
 
-def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
+def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """Non-overlapping copy of ``nbytes`` between two int64 addresses."""
     aligned = (((src_addr | dst_addr) & 15) == 0) & ((nbytes & 7) == 0)
     if aligned:
         # Both ends 16-byte aligned (checked above, so the hint is true): 8-byte words.
         src_words = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
         dst_words = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
-        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8)
+        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8, SLOW_BYTES // 8)
     else:
-        # Rare (real states are aligned): bytes, as many per step as words above, so this path
-        # costs no more registers (GPU) or unified buffer (NPU) than the fast one.
+        # Rare (vLLM's states are aligned): bytes, in small steps, so that this path costs no
+        # more registers (GPU) or unified buffer (NPU) than the fast one.
         src_bytes = src_addr.to(tl.pointer_type(tl.uint8))
         dst_bytes = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_tile_loop(src_bytes, dst_bytes, nbytes, COPY_BYTES // 8)
+        _copy_tile_loop(src_bytes, dst_bytes, nbytes, SLOW_BYTES, SLOW_BYTES)
 
 
-def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr):
+def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """This program's piece of a non-overlapping copy cut into ``pieces`` aligned pieces."""
     chunk = ((nbytes + pieces - 1) // pieces + 255) // 256 * 256
     lo = piece * chunk
     hi = tl.minimum(nbytes, lo + chunk)
     if lo < hi:
-        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES)
-
-
-def _shift_in_place(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
-    """memmove to a lower address (``dst < src``, overlapping) by one program, front to back.
-
-    Each step moves at most ``src - dst`` bytes, so a step's read never overlaps its own write
-    and never reaches bytes an earlier step wrote (those lie below ``dst + step``).
-    """
-    step = tl.minimum(src_addr - dst_addr, COPY_BYTES)
-    lanes = tl.arange(0, COPY_BYTES)
-    src = src_addr.to(tl.pointer_type(tl.uint8))
-    dst = dst_addr.to(tl.pointer_type(tl.uint8))
-    for i in range(0, nbytes, step):
-        mask = (lanes < step) & (i + lanes < nbytes)
-        tl.store(dst + i + lanes, tl.load(src + i + lanes, mask=mask), mask=mask)
+        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES, SLOW_BYTES)
 
 
 def _copy_rows(src, dst, rows, row_stride, row_len, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr):
@@ -240,7 +227,7 @@ def _postprocess_kernel(
     PRECOMPUTED_NEW_COMPUTED: tl.constexpr,
     REQ_BLOCK: tl.constexpr,
     COPY_BYTES: tl.constexpr,
-    SHIFT_BYTES: tl.constexpr,
+    SLOW_BYTES: tl.constexpr,
     DS_ROWS: tl.constexpr,
     DS_COLS: tl.constexpr,
 ):
@@ -314,8 +301,8 @@ def _postprocess_kernel(
     else:
         src_off = tl.where(temporal, 0, tok * inner * elem)
         nbytes = tl.where(temporal, inner * elem, tl.maximum(width - bias, 0).to(tl.int64) * inner * elem)
-        in_place = ~temporal & (src_block == dst_block)
-        nbytes = tl.where(in_place, tl.where(bias > 0, -nbytes, 0), nbytes)
+        in_place = ~temporal & (src_block == dst_block)  # rows left after the shift, as -rows
+        nbytes = tl.where(in_place, tl.where(bias > 0, -tl.maximum(width - bias, 0).to(tl.int64), 0), nbytes)
 
     # -- walk the copying requests in order: the next lane above `prev` that copies. Addresses are
     # built from the reduced int32 block ids (triton-ascend's pointer analysis cannot follow a
@@ -330,19 +317,27 @@ def _postprocess_kernel(
         s = base + s_block * block_stride + tl.sum(tl.where(pick, src_off, 0), axis=0)
         d = base + d_block * block_stride
         n = tl.sum(tl.where(pick, nbytes, 0), axis=0)
-        if n >= 0:
-            _copy_piece(s, d, n, piece, pieces, COPY_BYTES)
-        elif CONV_STATE_DIM_FIRST:
-            _copy_row_span(s, d, dim_rows, row_stride, -n, piece, pieces, DS_ROWS, DS_COLS)
-        elif piece == 0:
-            _shift_in_place(s, d, -n, SHIFT_BYTES)
+        # n >= 0: one region. n < 0, SD: the in-place shift, -n token rows (of inner * elem
+        # bytes) moved up by `tok` rows, front to back; each program moves only its own columns
+        # of every row, and a row is read before it is written, so no program races another.
+        reps = n * 0 + 1
+        step = n * 0
+        if n < 0:
+            if CONV_STATE_DIM_FIRST:
+                _copy_row_span(s, d, dim_rows, row_stride, -n, piece, pieces, DS_ROWS, DS_COLS)
+                reps = n * 0
+            else:
+                reps = -n
+                step = inner * elem
+                n = step
+        for j in range(0, reps):
+            _copy_piece(s + j * step, d + j * step, n, piece, pieces, COPY_BYTES, SLOW_BYTES)
 
 
 _TRITON_FUNCTIONS = (
     "_copy_tile_loop",
     "_copy_bytes",
     "_copy_piece",
-    "_shift_in_place",
     "_copy_rows",
     "_copy_row_span",
     "_postprocess_kernel",
@@ -423,6 +418,7 @@ class PostprocessKernel:
         copy_bytes: int | None = None,
         ds_rows: int | None = None,
         num_warps: int | None = None,
+        max_registers: int | None = None,
     ):
         if copy_bytes is not None and (copy_bytes < 16 or copy_bytes & (copy_bytes - 1)):
             raise ValueError(f"copy_bytes must be a power of two >= 16, got {copy_bytes}")
@@ -432,6 +428,7 @@ class PostprocessKernel:
         self.copy_bytes = copy_bytes
         self.ds_rows = ds_rows
         self.num_warps = num_warps
+        self.max_registers = max_registers  # GPU only: Triton's maxnreg
 
     def __repr__(self) -> str:
         return f"<ascend_layerwise_patch postprocess_mamba_fused_kernel (23 params) pieces={self.pieces}>"
@@ -463,6 +460,8 @@ class PostprocessKernel:
         copy_bytes = self.copy_bytes or TILES[backend][0]
         ds_rows = self.ds_rows or TILES[backend][1]
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
+        if self.max_registers and backend == "gpu":
+            extra["maxnreg"] = self.max_registers
         kernel[(states, pieces, -(-rows // REQ_BLOCK))](
             *(a[p] for p in PARAMS[:17]),
             rows,
@@ -472,7 +471,7 @@ class PostprocessKernel:
             PRECOMPUTED_NEW_COMPUTED=bool(a["PRECOMPUTED_NEW_COMPUTED"]),
             REQ_BLOCK=REQ_BLOCK,
             COPY_BYTES=copy_bytes,
-            SHIFT_BYTES=min(copy_bytes, SHIFT_BYTES),
+            SLOW_BYTES=max(copy_bytes // 16, 16),
             DS_ROWS=ds_rows,
             DS_COLS=DS_COLS,
             **extra,
