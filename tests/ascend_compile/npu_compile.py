@@ -124,7 +124,7 @@ class Compiler:
 
     def compile_launch(self, target: str, launch) -> Result:
         """Run ``launch()`` (a kernel launch) for ``target`` (an arch); report how far it compiled."""
-        from triton.compiler.errors import MLIRCompilationError
+        from triton.compiler.errors import CompilationError, MLIRCompilationError
 
         _Utils.arch = target
         self.count += 1
@@ -135,6 +135,8 @@ class Compiler:
             launch()
         except MLIRCompilationError as e:
             stage, message = e.stage_name, str(e)
+        except CompilationError as e:  # Triton's front end (Python -> ttir)
+            return Result(target, False, "ttir", str(e))
         else:
             return Result(target, False, "launch", "the launch returned: no compiler error, so nothing was checked")
         others = [line for line in message.splitlines() if ": error: " in line and CANN_MISSING not in line]
