@@ -315,6 +315,10 @@ def case_step(torch, device, cache: Cache, n_reqs: int, copying: int, block_size
 
 # ----------------------------------------------------------------------------- modes
 
+#: --sweep: (pieces, copy step KiB, dim-first tile rows, warps, max registers), timed beside the defaults
+SWEEP = [(16, 16, 128, 4, None), (64, 16, 128, 4, None), (32, 32, 128, 4, None), (32, 16, 128, 4, 80),
+         (32, 32, 128, 8, None), (64, 8, 128, 4, None), (32, 16, 64, 4, None), (16, 16, 128, 4, 80)]
+
 
 def run_check(torch, device, ours, foreign, *, examples: int) -> bool:
     """Small random caches and steps (V1 and V2, both layouts, one or two groups, spec tokens 0
@@ -385,10 +389,10 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
     base = Cache(torch, device, blocks=3 * most + 1, dim_first=False, **shape)
     caches = {"SD": base, "DS": base.with_layout(True)}
     configs = {"ours": ours.PostprocessKernel()}
-    if sweep:  # pieces, copy tile bytes, dim-first tile rows, warps
-        for p, b, r, w in [(8, 16, 128, 4), (32, 16, 128, 4), (16, 32, 128, 4), (16, 16, 64, 4), (16, 16, 256, 4)]:
-            configs[f"ours p{p} {b}k r{r} w{w}"] = ours.PostprocessKernel(
-                pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w)
+    if sweep:
+        for p, b, r, w, regs in SWEEP:
+            configs[f"ours p{p} {b}k r{r} w{w}{f' m{regs}' if regs else ''}"] = ours.PostprocessKernel(
+                pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w, max_registers=regs)
     kernels = list(configs.items()) + [(k, foreign[k]) for k in ("vllm", "ascend") if foreign.get(k) is not None]
     clocks = timers(torch, device)
     tables, ok = {clock: [] for clock in clocks}, True
@@ -419,6 +423,8 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         del expected
         for clock in clocks:
             tables[clock].append((kind, lay, n, nbytes, results[clock]))
+    if sweep:
+        print_registers(ours.compiled())
     for clock, rows in tables.items():
         how = {"graph": "CUDA-graph replay: GPU time only", "eager": "launches from Python, L2 flushed"}
         print(f"\n### {clock} ({how.get(clock, 'interpreter, wall clock')})")
@@ -426,6 +432,18 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         if small:
             print(SMOKE_NOTE)
     return ok
+
+
+def print_registers(fn):
+    """Registers and spills of every compiled specialisation (a GPU keeps a copy tile in them)."""
+    for caches in getattr(fn, "device_caches", {}).values():
+        for key, kernel in caches[0].items():
+            try:
+                kernel._init_handles()
+                print(f"regs {kernel.n_regs:3d} spills {kernel.n_spills:3d} warps {kernel.metadata.num_warps}: "
+                      f"{str(key)[-90:]}")
+            except Exception as e:  # noqa: BLE001 - diagnostics only
+                print(f"registers unknown: {e!r}")
 
 
 def print_table(rows):

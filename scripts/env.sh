@@ -7,6 +7,9 @@
 #                                 holding only vllm and vllm-ascend, installed with --no-deps, and this
 #                                 package (editable), so its console script `ascend-layerwise-patch` is
 #                                 the one the README tells users to run
+#   scripts/env.sh ascendc        .matrix/ascendc: triton-ascend + ascendnpu-ir (bishengir) + pytest from
+#                                 requirements/ascendc.lock, for tests/ascend_compile; standalone (no base:
+#                                 triton-ascend replaces upstream triton), Python 3.9-3.11
 #
 # PAIR is one of the names in scripts/pairs.txt. Re-running is cheap: a finished venv is kept
 # (it records what it holds in .matrix/<name>/.done).
@@ -72,8 +75,22 @@ build_pair() {
   say "$name: ready"
 }
 
-build_base
+build_ascendc() {
+  local venv=$root/ascendc
+  local want; want=$(sha1sum requirements/ascendc.lock | cut -c1-12)
+  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then return; fi
+  rm -rf "$venv"; "$py" -m venv "$venv"
+  pip_q "$venv" --no-deps -r requirements/ascendc.lock
+  "$venv/bin/python" -c "import triton.backends.ascend, ascendnpuir, pytest" \
+    || { echo "ascendc venv is broken (triton-ascend has wheels for Python 3.9-3.11 only)" >&2; exit 1; }
+  echo "$want" > "$venv/.done"
+}
+
+[ $# -eq 0 ] && set -- base
 for name in "$@"; do
-  [ "$name" = base ] && continue
-  build_pair "$name"
+  case "$name" in
+    base) build_base ;;
+    ascendc) build_ascendc ;;
+    *) build_base; build_pair "$name" ;;
+  esac
 done

@@ -5,7 +5,8 @@
 #   bash scripts/matrix.sh v0251      only the named pairs (the unit suite always runs)
 #
 # Suites: tests/unit once (base venv); per pair tests/standins and tests/interp, each in its own
-# pytest process (the NPU stand-ins break real Triton, so the two never share a process).
+# pytest process (the NPU stand-ins break real Triton, so the two never share a process);
+# tests/ascend_compile once, in its own venv (triton-ascend: the kernel compiled for Atlas A2/A3).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -14,7 +15,7 @@ pairs=("$@")
 root=${ALP_MATRIX_DIR:-$here/.matrix}
 start=$(date +%s)
 
-bash scripts/env.sh "${pairs[@]}" || { echo "matrix: environment build failed" >&2; exit 1; }
+bash scripts/env.sh "${pairs[@]}" ascendc || { echo "matrix: environment build failed" >&2; exit 1; }
 echo "matrix: environments ready in $(( $(date +%s) - start )) s"
 
 failed=()
@@ -29,6 +30,7 @@ run() {  # run NAME PYTHON ARGS...: a pytest run that must pass and must run at 
 }
 
 run "unit" "$root/base/bin/python" tests/unit
+run "ascend compile" "$root/ascendc/bin/python" tests/ascend_compile
 for pair in "${pairs[@]}"; do
   run "$pair standins" "$root/$pair/bin/python" tests/standins
   run "$pair interp" "$root/$pair/bin/python" tests/interp

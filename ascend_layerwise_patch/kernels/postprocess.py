@@ -100,11 +100,14 @@ PARAMS = (
 _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
-COPY_BYTES = 16384  # bytes per copy step (one tile): 16 words of 8 bytes per thread of 4 warps
-DS_ROWS = 256  # rows of a dim-first tile (4 KiB); at 512 rows of bytes its 64-bit addresses spill
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
+#: (bytes per copy step, rows per dim-first tile) by Triton backend. An NPU vector core stages
+#: every tile in its 192 KiB unified buffer, double-buffered by bishengir: 8 KiB steps keep the
+#: planned UB near half of it (tests/ascend_compile). A GPU keeps a tile in registers and wants
+#: bytes in flight: see scripts/bench_postprocess.py --sweep.
+TILES = {"npu": (8192, 64), "gpu": (16384, 128)}
 MAX_PIECES = 32
-PROGRAMS_PER_CORE = 8
+PROGRAMS_PER_CORE = 16
 
 
 class _Placeholder:
@@ -119,53 +122,43 @@ tl: Any = _Placeholder()  # triton.language once compiled() has run
 # Plain functions until compiled() passes them to triton.jit and rebinds these module names.
 
 
-def _copy_tile_loop(src, dst, count, LANES: tl.constexpr):
-    """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles, masked tail."""
+def _copy_tile_loop(src, dst, count, LANES: tl.constexpr, TAIL: tl.constexpr):
+    """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles of ``LANES``,
+    then masked steps of ``TAIL`` (a runtime mask defeats vector access: a small tile keeps the
+    tail from setting the register count on a GPU, or the UB plan on an NPU)."""
     lanes = tl.arange(0, LANES)
     full = count // LANES * LANES
     for i in range(0, full, LANES):
         tl.store(dst + i + lanes, tl.load(src + i + lanes))
-    if full < count:
-        mask = full + lanes < count
-        tl.store(dst + full + lanes, tl.load(src + full + lanes, mask=mask), mask=mask)
+    tail = tl.arange(0, TAIL)
+    for j in range(full, count, TAIL):
+        mask = j + tail < count
+        tl.store(dst + j + tail, tl.load(src + j + tail, mask=mask), mask=mask)
 
 
-def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
+def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """Non-overlapping copy of ``nbytes`` between two int64 addresses."""
     aligned = (((src_addr | dst_addr) & 15) == 0) & ((nbytes & 7) == 0)
     if aligned:
         # Both ends 16-byte aligned (checked above, so the hint is true): 8-byte words.
         src_words = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
         dst_words = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
-        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8)
+        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8, SLOW_BYTES // 8)
     else:
+        # Rare (vLLM's states are aligned): bytes, in small steps, so that this path costs no
+        # more registers (GPU) or unified buffer (NPU) than the fast one.
         src_bytes = src_addr.to(tl.pointer_type(tl.uint8))
         dst_bytes = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_tile_loop(src_bytes, dst_bytes, nbytes, COPY_BYTES)
+        _copy_tile_loop(src_bytes, dst_bytes, nbytes, SLOW_BYTES, SLOW_BYTES)
 
 
-def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr):
+def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """This program's piece of a non-overlapping copy cut into ``pieces`` aligned pieces."""
     chunk = ((nbytes + pieces - 1) // pieces + 255) // 256 * 256
     lo = piece * chunk
     hi = tl.minimum(nbytes, lo + chunk)
     if lo < hi:
-        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES)
-
-
-def _shift_in_place(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr):
-    """memmove to a lower address (``dst < src``, overlapping) by one program, front to back.
-
-    Each step moves at most ``src - dst`` bytes, so a step's read never overlaps its own write
-    and never reaches bytes an earlier step wrote (those lie below ``dst + step``).
-    """
-    step = tl.minimum(src_addr - dst_addr, COPY_BYTES)
-    lanes = tl.arange(0, COPY_BYTES)
-    src = src_addr.to(tl.pointer_type(tl.uint8))
-    dst = dst_addr.to(tl.pointer_type(tl.uint8))
-    for i in range(0, nbytes, step):
-        mask = (lanes < step) & (i + lanes < nbytes)
-        tl.store(dst + i + lanes, tl.load(src + i + lanes, mask=mask), mask=mask)
+        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES, SLOW_BYTES)
 
 
 def _copy_rows(src, dst, rows, row_stride, row_len, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr):
@@ -192,7 +185,8 @@ def _copy_row_span(
     src_addr, dst_addr, rows, row_stride, row_bytes, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr
 ):
     """Rows of a dim-first state as 4- or 2-byte elements where every address and length allows
-    (a bf16 window shifted by an even number of tokens moves as int32), else as bytes."""
+    (a bf16 window shifted by an even number of tokens moves as int32), else as bytes; a tile
+    holds ``ROWS * 4`` elements whatever their size (fewer rows of narrower elements)."""
     bits = src_addr | dst_addr | row_stride | row_bytes
     if (bits & 3) == 0:
         src4 = src_addr.to(tl.pointer_type(tl.int32))
@@ -201,11 +195,11 @@ def _copy_row_span(
     elif (bits & 1) == 0:
         src2 = src_addr.to(tl.pointer_type(tl.int16))
         dst2 = dst_addr.to(tl.pointer_type(tl.int16))
-        _copy_rows(src2, dst2, rows, row_stride // 2, row_bytes // 2, piece, pieces, ROWS, COLS // 2)
+        _copy_rows(src2, dst2, rows, row_stride // 2, row_bytes // 2, piece, pieces, ROWS // 2, COLS // 2)
     else:
         src1 = src_addr.to(tl.pointer_type(tl.uint8))
         dst1 = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_rows(src1, dst1, rows, row_stride, row_bytes, piece, pieces, ROWS, COLS)
+        _copy_rows(src1, dst1, rows, row_stride, row_bytes, piece, pieces, ROWS // 4, COLS)
 
 
 def _postprocess_kernel(
@@ -233,6 +227,7 @@ def _postprocess_kernel(
     PRECOMPUTED_NEW_COMPUTED: tl.constexpr,
     REQ_BLOCK: tl.constexpr,
     COPY_BYTES: tl.constexpr,
+    SLOW_BYTES: tl.constexpr,
     DS_ROWS: tl.constexpr,
     DS_COLS: tl.constexpr,
 ):
@@ -289,47 +284,60 @@ def _postprocess_kernel(
         dim_rows = tl.load(state_dim_row_count_ptr + state_idx)
         row_stride = tl.load(state_dim_row_stride_ptr + state_idx).to(tl.int64)
 
-    # -- walk the copying requests in order: the next lane above `prev` that copies
+    # -- every copying request's region at once: block ids gathered as vectors (one round of
+    # memory latency for the batch, none inside the walk), then per lane the source offset inside
+    # its block and the byte count. nbytes < 0 marks each layout's special region: rows of a
+    # shifted dim-first conv state (DS), or the in-place shift (SD: source block == destination).
+    temporal = width == 0
+    tok = bias.to(tl.int64)
+    rows_at = table + batch.to(tl.int64) * block_table_stride_req
+    dst_block = tl.load(rows_at + dst_col, mask=copies, other=0)
+    src_block = tl.load(rows_at + tl.where(temporal, src_col + bias, src_col), mask=copies, other=0)
+    if CONV_STATE_DIM_FIRST:
+        row_bytes = tl.maximum(width - bias, 0).to(tl.int64) * elem
+        packed = (bias == 0) & (row_bytes == row_stride)  # whole packed rows: one span
+        src_off = tl.where(temporal | packed, 0, tok * elem)
+        nbytes = tl.where(temporal, inner * elem, tl.where(packed, dim_rows * row_stride, -row_bytes))
+    else:
+        src_off = tl.where(temporal, 0, tok * inner * elem)
+        nbytes = tl.where(temporal, inner * elem, tl.maximum(width - bias, 0).to(tl.int64) * inner * elem)
+        in_place = ~temporal & (src_block == dst_block)  # rows left after the shift, as -rows
+        nbytes = tl.where(in_place, tl.where(bias > 0, -tl.maximum(width - bias, 0).to(tl.int64), 0), nbytes)
+
+    # -- walk the copying requests in order: the next lane above `prev` that copies. Addresses are
+    # built from the reduced int32 block ids (triton-ascend's pointer analysis cannot follow a
+    # reduced int64 address into the pointer cast).
     prev = state_idx * 0 - 1
     for _ in range(0, n_copies):
         cur = tl.min(tl.where(copies & (lane > prev), lane, REQ_BLOCK), axis=0)
         prev = cur
         pick = lane == cur
-        s_col = tl.sum(tl.where(pick, src_col, 0), axis=0)
-        d_col = tl.sum(tl.where(pick, dst_col, 0), axis=0)
-        tok = tl.sum(tl.where(pick, bias, 0), axis=0)
-        row = table + (first_row + cur).to(tl.int64) * block_table_stride_req
-        dst_block = tl.load(row + d_col).to(tl.int64)  # int64 before * stride: strides pass 2**31
-        dst = base + dst_block * block_stride
-        if width > 0:
-            src_block = tl.load(row + s_col).to(tl.int64)
-            src = base + src_block * block_stride
+        s_block = tl.sum(tl.where(pick, src_block, 0), axis=0).to(tl.int64)  # int64 before * stride
+        d_block = tl.sum(tl.where(pick, dst_block, 0), axis=0).to(tl.int64)
+        s = base + s_block * block_stride + tl.sum(tl.where(pick, src_off, 0), axis=0)
+        d = base + d_block * block_stride
+        n = tl.sum(tl.where(pick, nbytes, 0), axis=0)
+        # n >= 0: one region. n < 0, SD: the in-place shift, -n token rows (of inner * elem
+        # bytes) moved up by `tok` rows, front to back; each program moves only its own columns
+        # of every row, and a row is read before it is written, so no program races another.
+        reps = n * 0 + 1
+        step = n * 0
+        if n < 0:
             if CONV_STATE_DIM_FIRST:
-                row_bytes = (width - tok).to(tl.int64) * elem
-                if (tok == 0) & (row_bytes == row_stride):  # whole packed rows: one span
-                    _copy_piece(src, dst, dim_rows * row_stride, piece, pieces, COPY_BYTES)
-                else:
-                    _copy_row_span(
-                        src + tok * elem, dst, dim_rows, row_stride, row_bytes, piece, pieces, DS_ROWS, DS_COLS
-                    )
+                _copy_row_span(s, d, dim_rows, row_stride, -n, piece, pieces, DS_ROWS, DS_COLS)
+                reps = n * 0
             else:
-                shift = tok.to(tl.int64) * inner * elem
-                nbytes = (width - tok).to(tl.int64) * inner * elem
-                if src_block == dst_block:
-                    if (piece == 0) & (shift > 0):
-                        _shift_in_place(src + shift, dst, nbytes, COPY_BYTES)
-                else:
-                    _copy_piece(src + shift, dst, nbytes, piece, pieces, COPY_BYTES)
-        else:
-            src_block = tl.load(row + s_col + tok).to(tl.int64)
-            _copy_piece(base + src_block * block_stride, dst, inner * elem, piece, pieces, COPY_BYTES)
+                reps = -n
+                step = inner * elem
+                n = step
+        for j in range(0, reps):
+            _copy_piece(s + j * step, d + j * step, n, piece, pieces, COPY_BYTES, SLOW_BYTES)
 
 
 _TRITON_FUNCTIONS = (
     "_copy_tile_loop",
     "_copy_bytes",
     "_copy_piece",
-    "_shift_in_place",
     "_copy_rows",
     "_copy_row_span",
     "_postprocess_kernel",
@@ -357,21 +365,28 @@ def compiled():
 
 # ----------------------------------------------------------------------------- launcher
 
-_cores: dict[Any, int | None] = {}
+_devices: dict[str, tuple[str, int | None]] = {}
 
 
-def device_cores(device) -> int | None:
-    """Vector cores (triton-ascend) or SMs (CUDA) of ``device``, from Triton's driver; else None."""
+def device_info(device) -> tuple[str, int | None]:
+    """(``"npu"`` or ``"gpu"``, vector cores / SMs) of ``device`` from Triton's driver; the
+    interpreter or no driver: ``("gpu", None)``."""
     key = str(device)
-    if key not in _cores:
+    if key not in _devices:
         try:
             from triton.runtime import driver
 
+            backend = "npu" if driver.active.get_current_target().backend == "npu" else "gpu"
             props = driver.active.utils.get_device_properties(getattr(device, "index", None) or 0)
-            _cores[key] = int(props.get("num_vectorcore") or props.get("multiprocessor_count") or 0) or None
-        except Exception:  # noqa: BLE001 - interpreter, no driver: fall back to the default
-            _cores[key] = None
-    return _cores[key]
+            cores = int(props.get("num_vectorcore") or props.get("multiprocessor_count") or 0) or None
+            _devices[key] = (backend, cores)
+        except Exception:  # noqa: BLE001 - interpreter, no driver: fall back to the defaults
+            _devices[key] = ("gpu", None)
+    return _devices[key]
+
+
+def device_cores(device) -> int | None:
+    return device_info(device)[1]
 
 
 def default_pieces(cores: int | None, states: int) -> int:
@@ -400,14 +415,20 @@ class PostprocessKernel:
         self,
         *,
         pieces: int | None = None,
-        copy_bytes: int = COPY_BYTES,
-        ds_rows: int = DS_ROWS,
+        copy_bytes: int | None = None,
+        ds_rows: int | None = None,
         num_warps: int | None = None,
+        max_registers: int | None = None,
     ):
+        if copy_bytes is not None and (copy_bytes < 16 or copy_bytes & (copy_bytes - 1)):
+            raise ValueError(f"copy_bytes must be a power of two >= 16, got {copy_bytes}")
+        if ds_rows is not None and (ds_rows < 4 or ds_rows & (ds_rows - 1)):
+            raise ValueError(f"ds_rows must be a power of two >= 4, got {ds_rows}")
         self.pieces = pieces
         self.copy_bytes = copy_bytes
         self.ds_rows = ds_rows
         self.num_warps = num_warps
+        self.max_registers = max_registers  # GPU only: Triton's maxnreg
 
     def __repr__(self) -> str:
         return f"<ascend_layerwise_patch postprocess_mamba_fused_kernel (23 params) pieces={self.pieces}>"
@@ -434,8 +455,13 @@ class PostprocessKernel:
         if rows <= 0 or states <= 0:
             return
         kernel = compiled()
-        pieces = self.pieces or default_pieces(device_cores(a["num_accepted_tokens_ptr"].device), states)
+        backend, cores = device_info(a["num_accepted_tokens_ptr"].device)
+        pieces = self.pieces or default_pieces(cores, states)
+        copy_bytes = self.copy_bytes or TILES[backend][0]
+        ds_rows = self.ds_rows or TILES[backend][1]
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
+        if self.max_registers and backend == "gpu":
+            extra["maxnreg"] = self.max_registers
         kernel[(states, pieces, -(-rows // REQ_BLOCK))](
             *(a[p] for p in PARAMS[:17]),
             rows,
@@ -444,8 +470,9 @@ class PostprocessKernel:
             HAS_IDX_MAPPING=bool(a["HAS_IDX_MAPPING"]),
             PRECOMPUTED_NEW_COMPUTED=bool(a["PRECOMPUTED_NEW_COMPUTED"]),
             REQ_BLOCK=REQ_BLOCK,
-            COPY_BYTES=self.copy_bytes,
-            DS_ROWS=self.ds_rows,
+            COPY_BYTES=copy_bytes,
+            SLOW_BYTES=max(copy_bytes // 16, 16),
+            DS_ROWS=ds_rows,
             DS_COLS=DS_COLS,
             **extra,
         )
