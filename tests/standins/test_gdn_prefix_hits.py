@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 import ascend_layerwise_patch
+from ascend_layerwise_patch.registry import APPLIED
 from support import PAIR
 
 PAIRS = ("v0251",)
@@ -32,6 +33,13 @@ BS = 16
 A = list(range(1000, 1040))  # 40 tokens
 X = list(range(5000, 5040))  # an unrelated prompt
 TAIL = [7, 8, 9, 10, 11]
+
+
+EXTRA: dict = {}  # PoolInstance options every scenario adds (the speculative-decoding control)
+
+
+def _inst(pool, **kwargs) -> PoolInstance:
+    return PoolInstance(pool, **{**kwargs, **EXTRA})
 
 
 def _serve(inst: PoolInstance, req_id: str, prompt, max_tokens: int = 1) -> None:
@@ -51,8 +59,8 @@ def _first_step_reads(inst: PoolInstance, req_id: str):
 def pool_hit_plus_5():
     """(a) B on a second instance (empty HBM, same pool) = A's first 32 tokens + 5 others."""
     pool = make_pool()
-    _serve(PoolInstance(pool, name="A"), "a", A)
-    b = PoolInstance(pool, name="B")
+    _serve(_inst(pool, name="A"), "a", A)
+    b = _inst(pool, name="B")
     _serve(b, "b", A[:32] + TAIL)
     return b, {"b": 32}
 
@@ -60,8 +68,8 @@ def pool_hit_plus_5():
 def pool_hit_plus_1():
     """(a) + exactly 1 more token."""
     pool = make_pool()
-    _serve(PoolInstance(pool, name="A"), "a", A)
-    b = PoolInstance(pool, name="B")
+    _serve(_inst(pool, name="A"), "a", A)
+    b = _inst(pool, name="B")
     _serve(b, "b", A[:32] + [7])
     return b, {"b": 32}
 
@@ -69,8 +77,8 @@ def pool_hit_plus_1():
 def pool_and_local_hits_in_one_batch():
     """(a) a batch mixing a pool-hit request with a local-hit one."""
     pool = make_pool()
-    _serve(PoolInstance(pool, name="A"), "a", A)
-    b = PoolInstance(pool, name="B")
+    _serve(_inst(pool, name="A"), "a", A)
+    b = _inst(pool, name="B")
     _serve(b, "x", X)  # B's own prefix cache now holds X
     b.add_request("b1", A[:32] + TAIL)  # pool hit
     b.add_request("b2", X[:32] + TAIL)  # local hit
@@ -80,7 +88,7 @@ def pool_and_local_hits_in_one_batch():
 
 def local_hit_with_connector():
     """(b) one instance with the connector: A then B sharing 32 tokens (pool hit == local hit)."""
-    inst = PoolInstance(make_pool(), name="A")
+    inst = _inst(make_pool(), name="A")
     _serve(inst, "a", A)
     _serve(inst, "b", A[:32] + TAIL)
     return inst, {"b": 32}
@@ -89,7 +97,7 @@ def local_hit_with_connector():
 def local_hit_empty_pool():
     """(b) a local hit with the connector on and nothing in the pool."""
     pool = make_pool()
-    inst = PoolInstance(pool, name="A")
+    inst = _inst(pool, name="A")
     _serve(inst, "a", A)
     pool.clear()
     _serve(inst, "b", A[:32] + TAIL)
@@ -99,8 +107,8 @@ def local_hit_empty_pool():
 def whole_prompt_one_chunk():
     """(c1) B = exactly A's first 32 tokens, A prefilled in one chunk."""
     pool = make_pool()
-    _serve(PoolInstance(pool, name="A"), "a", A)
-    b = PoolInstance(pool, name="B")
+    _serve(_inst(pool, name="A"), "a", A)
+    b = _inst(pool, name="B")
     _serve(b, "b", A[:32])
     return b, {"b": 16}
 
@@ -108,8 +116,8 @@ def whole_prompt_one_chunk():
 def whole_prompt_16_token_chunks():
     """(c1) B = exactly A's first 32 tokens, A prefilled in 16-token chunks."""
     pool = make_pool()
-    _serve(PoolInstance(pool, name="A", max_num_batched_tokens=16, max_num_seqs=4), "a", A)
-    b = PoolInstance(pool, name="B")
+    _serve(_inst(pool, name="A", max_num_batched_tokens=16, max_num_seqs=4), "a", A)
+    b = _inst(pool, name="B")
     _serve(b, "b", A[:32])
     return b, {"b": 16}
 
@@ -117,8 +125,8 @@ def whole_prompt_16_token_chunks():
 def first_block_only():
     """(c2) B shares only A's first 16 tokens; A (one chunk) never checkpointed block 0."""
     pool = make_pool()
-    _serve(PoolInstance(pool, name="A"), "a", A)
-    b = PoolInstance(pool, name="B")
+    _serve(_inst(pool, name="A"), "a", A)
+    b = _inst(pool, name="B")
     _serve(b, "b", A[:16] + TAIL)
     return b, {"b": 0}
 
@@ -126,15 +134,15 @@ def first_block_only():
 def no_hit():
     """Control: nothing shared."""
     pool = make_pool()
-    _serve(PoolInstance(pool, name="A"), "a", A)
-    b = PoolInstance(pool, name="B")
+    _serve(_inst(pool, name="A"), "a", A)
+    b = _inst(pool, name="B")
     _serve(b, "b", X)
     return b, {"b": 0}
 
 
 def no_connector():
     """Control: no KV connector at all; vLLM's prefix cache serves the hit."""
-    inst = PoolInstance(None, name="local")
+    inst = _inst(None, name="local")
     _serve(inst, "a", A)
     _serve(inst, "b", A[:32] + TAIL)
     return inst, {"b": 32}
@@ -189,8 +197,12 @@ def test_every_gdn_layer_reads_the_right_state(library_on, name):
 
 @pytest.fixture
 def library_off():
+    import harness_pool
+
+    harness_pool._runtime()  # every target imported first: a pending hook would re-apply on import
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
+    assert not [st.name for st in reg.status() if st.state == APPLIED]
     yield
     reg.activate()
 
@@ -207,3 +219,13 @@ def test_library_off_reads_wrong_states(library_off):
             assert (wrong_gdn, wrong_attn) == (0, 0), name
         else:
             assert wrong_gdn > 0, name
+
+
+@pytest.mark.parametrize("name", ["pool_hit_plus_5", "pool_and_local_hits_in_one_batch", "local_hit_with_connector", "no_connector"])
+def test_speculative_blocks_control(library_on, monkeypatch, name):
+    """Speculative decoding's align layout (one speculative mamba block per request, as with
+    num_speculative_tokens=1): the same scenarios read the right states."""
+    monkeypatch.setitem(EXTRA, "num_speculative_blocks", 1)
+    wrong_gdn, wrong_attn, starts = wrong_layers(name)
+    print(f"\n{name} (1 speculative block): wrong GDN reads {wrong_gdn}, wrong attention blocks {wrong_attn}, started at {starts}")
+    assert (wrong_gdn, wrong_attn) == (0, 0)
