@@ -7,6 +7,9 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker:
          receiving thread class is reached through pool_worker's name for it)
          vllm.v1.core.sched.scheduler:Scheduler._update_requests_with_invalid_blocks
                                                                             (scheduler half)
+         vllm_ascend.platform:NPUPlatform._validate_kv_load_failure_policy   (own group,
+         ``load_failures_policy``: the platform is imported while vLLM's own modules are still
+         initialising, long before the others can be resolved)
 Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). vllm-ascend 0.26.0rc1
          raises on a failed layerwise load instead (upstream's fail-fast: the engine stops).
 Why      In the layerwise receiving thread a ``batch_copy`` that returns an error is logged and the
@@ -38,7 +41,10 @@ How      Worker: the receiving thread turns a copy that raises into a failed cop
          invalid block of every group (later blocks may derive from it) and, for mamba groups,
          with a state block at that point that is neither null nor invalid (or the start). Every group rolls back together; under ``fail``
          the blocks from that point on, in every group, are evicted from the prefix cache.
-         Single-group schedulers run upstream's code unchanged.
+         Single-group schedulers run upstream's code unchanged. vllm-ascend's platform refuses
+         ``recompute`` for hybrid models (its config check asserts); with the rollback above that
+         refusal is lifted while ``load_failures`` is applied or pending in the process (the check
+         is otherwise unchanged; with ``load_failures`` skipped or failed the refusal stands).
 Policy   Use ``kv_load_failure_policy: recompute`` with a layerwise pool (vLLM's default is
          ``fail``): a store hiccup then costs one recomputed prefix instead of a failed request.
 Residual A copy already inside MemCache when the wait gives up cannot be recalled; it may still
@@ -56,12 +62,13 @@ import functools
 import importlib
 import threading
 
-from ..registry import PatchSpec, logger
+from ..registry import APPLIED, PENDING, PatchSpec, logger
 from .mamba_lifetime import _expects, _source
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
 GROUP = "load_failures"
+POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
@@ -107,8 +114,9 @@ def _recv(thread) -> _Recv:
 
 
 def _task_blocks(task) -> set[int]:
+    """The blocks a load task writes (never the null block, which vLLM never counts as computed)."""
     shared = task.shared_block_data
-    return set() if shared is None else {int(b) for b in shared.block_ids_arr}
+    return set() if shared is None else {int(b) for b in shared.block_ids_arr} - {0}
 
 
 # ------------------------------------------------------------------------------- receiving thread
@@ -325,6 +333,33 @@ def make_update_invalid(original):
     return _update_requests_with_invalid_blocks
 
 
+def _group_in_force() -> bool:
+    """``load_failures`` is applied in this process, or waiting for its modules (not skipped, not
+    failed). The platform's config check runs long before the scheduler and pool modules are
+    imported, which is why the refusal below is lifted by its own group, coupled through this."""
+    from .. import REGISTRY
+
+    states = {st.state for st in REGISTRY.status() if st.group == GROUP}
+    return bool(states) and states <= {APPLIED, PENDING}
+
+
+def make_policy_check(original):
+    """vllm-ascend's platform refuses ``kv_load_failure_policy=recompute`` for hybrid models (the
+    scheduler could not roll them back); with ``load_failures`` in force it can. Installed as a
+    plain function: vllm-ascend calls it through the class (``cls._validate_...``)."""
+    check = original.__func__
+
+    @functools.wraps(check)
+    def _validate_kv_load_failure_policy(vllm_config):
+        kv = vllm_config.kv_transfer_config
+        if kv is not None and getattr(kv, "kv_load_failure_policy", "fail") == "recompute":
+            if getattr(vllm_config.model_config, "is_hybrid", False) and _group_in_force():
+                return None  # load_failures rolls hybrid requests back
+        return check(vllm_config)
+
+    return _validate_kv_load_failure_policy
+
+
 # ----------------------------------------------------------------------------- checks on targets
 def _upstream_reports(_original) -> str | None:
     kv_transfer = importlib.import_module(f"{STORE}.kv_transfer")
@@ -365,6 +400,27 @@ def _recv_ok(original) -> str | None:
     return None
 
 
+def _policy_ok(original) -> str | None:
+    func = getattr(original, "__func__", None)
+    if not isinstance(original, staticmethod) or func is None:
+        return "NPUPlatform._validate_kv_load_failure_policy is no longer a staticmethod"
+    import inspect
+
+    if list(inspect.signature(func).parameters) != ["vllm_config"]:
+        return "NPUPlatform._validate_kv_load_failure_policy parameters changed"
+    platform = func.__globals__.get("NPUPlatform")
+    if platform is None or "cls._validate_kv_load_failure_policy(" not in _source(platform.check_and_update_config):
+        return "NPUPlatform.check_and_update_config no longer calls it through the class"
+    return None
+
+
+def _upstream_allows_hybrid(original) -> str | None:
+    func = getattr(original, "__func__", original)
+    if "is_hybrid" not in _source(func):
+        return "vllm-ascend no longer refuses recompute for hybrid models"
+    return None
+
+
 def _with_risk(check):
     def checked(original) -> str | None:
         problem = check(original)
@@ -373,10 +429,10 @@ def _with_risk(check):
     return checked
 
 
-def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports) -> PatchSpec:
+def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP) -> PatchSpec:
     return PatchSpec(
         name=name,
-        group=GROUP,
+        group=group,
         target=target,
         factory=factory,
         why="failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
@@ -399,6 +455,14 @@ SPECS = (
     ),
     _spec("load_fail_thread", f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._handle_request", make_recv_handle, _recv_ok),
     _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok),
+    _spec(
+        "load_fail_policy",
+        "vllm_ascend.platform:NPUPlatform._validate_kv_load_failure_policy",
+        make_policy_check,
+        _policy_ok,
+        fixed=_upstream_allows_hybrid,
+        group=POLICY_GROUP,
+    ),
     _spec(
         "load_fail_scheduler",
         "vllm.v1.core.sched.scheduler:Scheduler._update_requests_with_invalid_blocks",

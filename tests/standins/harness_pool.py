@@ -1032,7 +1032,12 @@ class _Rank:
             if req_id in cached.resumed_req_ids:
                 st.block_ids = tuple(list(ids) for ids in new_ids)
                 st.output_token_ids = list(st.output_token_ids[: cached.num_output_tokens[i]])
-            elif new_ids is not None:
+                continue
+            if cached.num_output_tokens[i] < len(st.output_token_ids):
+                # the scheduler discarded output tokens (a KV load failure rolled the request back):
+                # the runner aligns its cached state, as vLLM's GPU runner does
+                del st.output_token_ids[cached.num_output_tokens[i] :]
+            if new_ids is not None:
                 for ids, more in zip(st.block_ids, new_ids):
                     ids.extend(more)
         self.input_batch.req_ids = [r for r in so.num_scheduled_tokens if r in self.requests]
@@ -1134,6 +1139,7 @@ class PoolInstance:
         kv_role: str = "kv_both",
         extra_config: dict | None = None,
         num_speculative_blocks: int = 0,
+        kv_load_failure_policy: str = "fail",  # vLLM's default
     ):
         _runtime()
         from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
@@ -1170,7 +1176,12 @@ class PoolInstance:
                     async_scheduling=False,  # EngineCore.step (no batch queue)
                 ),
                 kv_transfer_config=(
-                    KVTransferConfig(kv_connector="AscendStoreConnector", kv_role=kv_role, kv_connector_extra_config=extra)
+                    KVTransferConfig(
+                        kv_connector="AscendStoreConnector",
+                        kv_role=kv_role,
+                        kv_connector_extra_config=extra,
+                        kv_load_failure_policy=kv_load_failure_policy,
+                    )
                     if pool is not None
                     else None
                 ),
@@ -1222,6 +1233,7 @@ class PoolInstance:
             log_stats=False,
         )
         self.reads: list[GDNRead] = []
+        self.kv_outputs: list = []
         self.steps = 0
         self.outputs: dict[str, list[int]] = {}
         self.ranks = [_Rank(self, r) for r in range(tp)]
@@ -1262,6 +1274,7 @@ class PoolInstance:
             self._current_rank = rank
             outputs.append(rank.execute(copy.deepcopy(so)))  # each worker deserializes its own copy
         output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
+        self.kv_outputs.append(output.kv_connector_output)  # what the scheduler is told, per step
         for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
             if toks:
                 self.outputs.setdefault(req_id, []).extend(toks)

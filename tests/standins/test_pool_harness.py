@@ -86,9 +86,14 @@ def test_tensor_parallel_ranks_and_faults():
     a.add_request("a", PROMPT, max_tokens=1)
     engine_loop(a)
     assert a.wrong_reads("a") == [] and {r.rank for r in a.reads_of("a")} == {0, 1}
-    # one KV head: only the leader rank's keys (rank field 0)
-    assert {k.rsplit("@", 1)[1] for k in pool.ready_keys()} == {"0"}
-    assert _per_group(a, pool.ready_keys())["attn"] == 2
+    # one KV head: attention keys of the leader rank only (rank field 0); GDN keys carry every
+    # rank's own slice (gdn_tp_keys: rank field tp0 / tp1)
+    ready = pool.ready_keys()
+    counts = _per_group(a, ready)
+    assert counts["attn"] == 2 and counts["mamba"] in (2, 4), ready
+    kinds = {g: ("mamba" if grp.layer_names[0] in a.gdn_layers else "attn") for g, grp in enumerate(a.kv_cache_config.kv_cache_groups)}
+    ranks = {kind: {k.rsplit("@", 1)[1] for k in ready if kinds[int(k.split("@")[1])] == kind} for kind in ("attn", "mamba")}
+    assert ranks == {"attn": {"0"}, "mamba": {"tp0", "tp1"}}, ready
 
     fault = pool.add_fault("error", direction=1, times=1)
     b = PoolInstance(pool, name="B", tp=2, kv_heads=1)
