@@ -78,6 +78,11 @@ def main() -> int:
             importlib.import_module(spec.module)
         except ImportError:
             pass
+    for place in [p["place"] for st in alp.status() for p in st.places]:  # and every module holding a copy
+        try:
+            importlib.import_module(place.partition(":")[0])
+        except ImportError:
+            pass
     t0 = time.perf_counter()
     alp.revert()
     alp.activate(environ={})

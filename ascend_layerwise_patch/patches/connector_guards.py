@@ -29,16 +29,18 @@ VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
 MODULE = "vllm_ascend.attention.utils"
 
-#: modules known to copy the helpers with ``from vllm_ascend.attention.utils import ...``; the
-#: installed vllm-ascend's sources are scanned for more at activation (``find_copies``)
-COPIED_INTO = (
-    "vllm_ascend.ops.gdn",
+#: modules known to copy each helper with ``from vllm_ascend.attention.utils import ...`` (0.25.1rc1);
+#: the installed vllm-ascend's sources are scanned for more at activation (``find_copies``)
+_ATTENTION = (
     "vllm_ascend.attention.mla_v1",
     "vllm_ascend.attention.sfa_v1",
     "vllm_ascend.attention.dsa_v1",
     "vllm_ascend.attention.context_parallel.dsa_cp",
-    "vllm_ascend._310p.ops.fla.gdn_310",
 )
+COPIED_INTO = {
+    "wait_for_kv_layer_from_connector": _ATTENTION,
+    "maybe_save_kv_layer_to_connector": ("vllm_ascend.ops.gdn", *_ATTENTION, "vllm_ascend._310p.ops.fla.gdn_310"),
+}
 
 #: the transfer-group state module, read directly on the hot path (see ``guard``)
 STATE = "vllm.distributed.kv_transfer.kv_transfer_state"
@@ -134,7 +136,7 @@ def _spec(name: str, params: list[str]) -> PatchSpec:
         why="skip connector calls while no connector metadata is bound (profile / dummy runs)",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        aliases=tuple(f"{module}:{name}" for module in COPIED_INTO),
+        aliases=tuple(f"{module}:{name}" for module in COPIED_INTO[name]),
         precondition=_expects(params),
         fixed_upstream=_already_guarded,
         find_aliases=find_copies(name),
