@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -315,9 +316,12 @@ def case_step(torch, device, cache: Cache, n_reqs: int, copying: int, block_size
 
 # ----------------------------------------------------------------------------- modes
 
-#: --sweep: (pieces, copy step KiB, dim-first tile rows, warps, max registers), timed beside the defaults
-SWEEP = [(16, 16, 128, 4, None), (64, 16, 128, 4, None), (32, 32, 128, 4, None), (32, 16, 128, 4, 80),
-         (32, 32, 128, 8, None), (64, 8, 128, 4, None), (32, 16, 64, 4, None), (16, 16, 128, 4, 80)]
+#: BENCH_OURS='{"pieces": 64, ...}': knobs of the kernel timed as "ours" (default: its own defaults)
+OURS = json.loads(os.environ.get("BENCH_OURS") or "{}")
+#: --sweep: (pieces, copy step KiB, dim-first tile rows, warps, max registers, streaming hints),
+#: timed beside the defaults
+SWEEP = [(64, 16, 128, 4, None, True), (32, 32, 128, 8, None, False), (32, 32, 128, 8, None, True),
+         (64, 32, 128, 8, None, False), (64, 32, 128, 4, None, False)]
 
 
 def run_check(torch, device, ours, foreign, *, examples: int) -> bool:
@@ -388,11 +392,12 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
              ("all copy, bias 2", "DS", 1, 1, 2)]
     base = Cache(torch, device, blocks=3 * most + 1, dim_first=False, **shape)
     caches = {"SD": base, "DS": base.with_layout(True)}
-    configs = {"ours": ours.PostprocessKernel()}
+    configs = {"ours": ours.PostprocessKernel(**OURS)}
     if sweep:
-        for p, b, r, w, regs in SWEEP:
-            configs[f"ours p{p} {b}k r{r} w{w}{f' m{regs}' if regs else ''}"] = ours.PostprocessKernel(
-                pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w, max_registers=regs)
+        for p, b, r, w, regs, stream in SWEEP:
+            name = f"ours p{p} {b}k r{r} w{w}{f' m{regs}' if regs else ''}{' stream' if stream else ''}"
+            configs[name] = ours.PostprocessKernel(
+                pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w, max_registers=regs, streaming=stream)
     kernels = list(configs.items()) + [(k, foreign[k]) for k in ("vllm", "ascend") if foreign.get(k) is not None]
     clocks = timers(torch, device)
     tables, ok = {clock: [] for clock in clocks}, True
@@ -490,7 +495,8 @@ def main() -> int:
         import triton
 
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"pieces by default: {ours.default_pieces(ours.device_cores(device), 72)} for 72 states")
+              f"pieces by default: {ours.default_pieces(ours.device_cores(device), 72)} for 72 states"
+              + (f"; ours: {OURS}" if OURS else ""))
     ok = run_check(torch, device, ours, foreign, examples=8 if args.cpu_smoke else args.examples)
     if args.mode == "bench":
         ok &= run_bench(torch, device, ours, foreign, small=args.cpu_smoke, sweep=args.sweep)

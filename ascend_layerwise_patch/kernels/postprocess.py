@@ -101,13 +101,15 @@ _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
-#: (bytes per copy step, rows per dim-first tile) by Triton backend. An NPU vector core stages
-#: every tile in its 192 KiB unified buffer, double-buffered by bishengir: 8 KiB steps keep the
-#: planned UB near half of it (tests/ascend_compile). A GPU keeps a tile in registers and wants
-#: bytes in flight: see scripts/bench_postprocess.py --sweep.
-TILES = {"npu": (8192, 64), "gpu": (16384, 128)}
-MAX_PIECES = 32
-PROGRAMS_PER_CORE = 16
+#: Launch defaults by Triton backend: bytes per copy step, rows per dim-first tile, programs per
+#: core (sets the piece count), streaming cache hints. An NPU vector core stages every tile in its
+#: 192 KiB unified buffer, double-buffered by bishengir (tests/ascend_compile reads the plan). A GPU
+#: keeps a tile in registers and wants bytes in flight (scripts/bench_postprocess.py --sweep).
+TUNING = {
+    "npu": dict(copy_bytes=8192, ds_rows=64, programs_per_core=8, streaming=False),
+    "gpu": dict(copy_bytes=16384, ds_rows=128, programs_per_core=32, streaming=False),
+}
+MAX_PIECES = 64
 
 
 class _Placeholder:
@@ -122,43 +124,48 @@ tl: Any = _Placeholder()  # triton.language once compiled() has run
 # Plain functions until compiled() passes them to triton.jit and rebinds these module names.
 
 
-def _copy_tile_loop(src, dst, count, LANES: tl.constexpr, TAIL: tl.constexpr):
+def _copy_tile_loop(src, dst, count, LANES: tl.constexpr, TAIL: tl.constexpr, STREAM: tl.constexpr):
     """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles of ``LANES``,
     then masked steps of ``TAIL`` (a runtime mask defeats vector access: a small tile keeps the
     tail from setting the register count on a GPU, or the UB plan on an NPU)."""
     lanes = tl.arange(0, LANES)
     full = count // LANES * LANES
     for i in range(0, full, LANES):
-        tl.store(dst + i + lanes, tl.load(src + i + lanes))
+        if STREAM:  # GPU: streamed bytes, read and written once, kept out of the way in L2
+            tl.store(dst + i + lanes, tl.load(src + i + lanes, eviction_policy="evict_first"), cache_modifier=".cs")
+        else:
+            tl.store(dst + i + lanes, tl.load(src + i + lanes))
     tail = tl.arange(0, TAIL)
     for j in range(full, count, TAIL):
         mask = j + tail < count
         tl.store(dst + j + tail, tl.load(src + j + tail, mask=mask), mask=mask)
 
 
-def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
+def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr, STREAM: tl.constexpr):
     """Non-overlapping copy of ``nbytes`` between two int64 addresses."""
     aligned = (((src_addr | dst_addr) & 15) == 0) & ((nbytes & 7) == 0)
     if aligned:
         # Both ends 16-byte aligned (checked above, so the hint is true): 8-byte words.
         src_words = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
         dst_words = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
-        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8, SLOW_BYTES // 8)
+        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8, SLOW_BYTES // 8, STREAM)
     else:
         # Rare (vLLM's states are aligned): bytes, in small steps, so that this path costs no
         # more registers (GPU) or unified buffer (NPU) than the fast one.
         src_bytes = src_addr.to(tl.pointer_type(tl.uint8))
         dst_bytes = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_tile_loop(src_bytes, dst_bytes, nbytes, SLOW_BYTES, SLOW_BYTES)
+        _copy_tile_loop(src_bytes, dst_bytes, nbytes, SLOW_BYTES, SLOW_BYTES, False)
 
 
-def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
+def _copy_piece(
+    src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr, STREAM: tl.constexpr
+):
     """This program's piece of a non-overlapping copy cut into ``pieces`` aligned pieces."""
     chunk = ((nbytes + pieces - 1) // pieces + 255) // 256 * 256
     lo = piece * chunk
     hi = tl.minimum(nbytes, lo + chunk)
     if lo < hi:
-        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES, SLOW_BYTES)
+        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES, SLOW_BYTES, STREAM)
 
 
 def _copy_rows(src, dst, rows, row_stride, row_len, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr):
@@ -228,6 +235,7 @@ def _postprocess_kernel(
     REQ_BLOCK: tl.constexpr,
     COPY_BYTES: tl.constexpr,
     SLOW_BYTES: tl.constexpr,
+    STREAM: tl.constexpr,
     DS_ROWS: tl.constexpr,
     DS_COLS: tl.constexpr,
 ):
@@ -331,7 +339,7 @@ def _postprocess_kernel(
                 step = inner * elem
                 n = step
         for j in range(0, reps):
-            _copy_piece(s + j * step, d + j * step, n, piece, pieces, COPY_BYTES, SLOW_BYTES)
+            _copy_piece(s + j * step, d + j * step, n, piece, pieces, COPY_BYTES, SLOW_BYTES, STREAM)
 
 
 _TRITON_FUNCTIONS = (
@@ -389,11 +397,11 @@ def device_cores(device) -> int | None:
     return device_info(device)[1]
 
 
-def default_pieces(cores: int | None, states: int) -> int:
+def default_pieces(cores: int | None, states: int, programs_per_core: int = 32) -> int:
     """Enough programs to keep every core busy with one copying request, as a power of two."""
     if not cores:
         return 4
-    want = -(-cores * PROGRAMS_PER_CORE // max(states, 1))
+    want = -(-cores * programs_per_core // max(states, 1))
     pieces = 1
     while pieces < want and pieces < MAX_PIECES:
         pieces *= 2
@@ -419,6 +427,7 @@ class PostprocessKernel:
         ds_rows: int | None = None,
         num_warps: int | None = None,
         max_registers: int | None = None,
+        streaming: bool | None = None,
     ):
         if copy_bytes is not None and (copy_bytes < 16 or copy_bytes & (copy_bytes - 1)):
             raise ValueError(f"copy_bytes must be a power of two >= 16, got {copy_bytes}")
@@ -429,6 +438,7 @@ class PostprocessKernel:
         self.ds_rows = ds_rows
         self.num_warps = num_warps
         self.max_registers = max_registers  # GPU only: Triton's maxnreg
+        self.streaming = streaming
 
     def __repr__(self) -> str:
         return f"<ascend_layerwise_patch postprocess_mamba_fused_kernel (23 params) pieces={self.pieces}>"
@@ -456,9 +466,11 @@ class PostprocessKernel:
             return
         kernel = compiled()
         backend, cores = device_info(a["num_accepted_tokens_ptr"].device)
-        pieces = self.pieces or default_pieces(cores, states)
-        copy_bytes = self.copy_bytes or TILES[backend][0]
-        ds_rows = self.ds_rows or TILES[backend][1]
+        tuning = TUNING[backend]
+        pieces = self.pieces or default_pieces(cores, states, tuning["programs_per_core"])
+        copy_bytes = self.copy_bytes or tuning["copy_bytes"]
+        ds_rows = self.ds_rows or tuning["ds_rows"]
+        streaming = tuning["streaming"] if self.streaming is None else self.streaming
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
         if self.max_registers and backend == "gpu":
             extra["maxnreg"] = self.max_registers
@@ -472,6 +484,7 @@ class PostprocessKernel:
             REQ_BLOCK=REQ_BLOCK,
             COPY_BYTES=copy_bytes,
             SLOW_BYTES=max(copy_bytes // 16, 16),
+            STREAM=bool(streaming) and backend == "gpu",
             DS_ROWS=ds_rows,
             DS_COLS=DS_COLS,
             **extra,
