@@ -72,7 +72,9 @@ class PatchSpec(NamedTuple):
     modules whose import copies the target into an alias (vllm-ascend's late worker patches):
     their import re-points the aliases, whatever the order. ``find_aliases()``, called once at
     activation, returns more alias paths found in what is installed (see :func:`copies_in_source`).
-    ``counters()``, if given, returns the patch's live counts in this process (shown in
+    Patches of different groups may target the same attribute: the later one wraps the earlier
+    one's replacement, its checks see the original under both, and ``revert()`` takes them off
+    newest first. ``counters()``, if given, returns the patch's live counts in this process (shown in
     ``status()`` while it is applied).
     """
 
@@ -380,9 +382,9 @@ class Registry:
     def revert(self) -> list[PatchStatus]:
         """Undo every applied patch exactly; report (and leave) any that someone replaced since."""
         with self._lock:
-            for spec in reversed(self.specs):
-                if spec.name not in self._installed:
-                    continue
+            by_name = {spec.name: spec for spec in self.specs}
+            # newest first: a patch stacked on another group's patch of the same attribute comes off first
+            for spec in [by_name[name] for name in reversed(list(self._installed))]:
                 inst = self._installed[spec.name]
                 ours = self._replacement[spec.name]
                 current = self._raw(inst.parent, inst.attribute)
@@ -498,8 +500,11 @@ class Registry:
                 self._set(spec, APPLIED, "already applied in this process")
                 continue
             try:
-                upstream = spec.fixed_upstream(current) if spec.fixed_upstream else None
-                problem = spec.precondition(current) if spec.precondition else None
+                # Another group's patch may already sit on this attribute: we wrap it, but judge
+                # the target by vllm-ascend's / vLLM's own function under it.
+                base = _innermost(current)
+                upstream = spec.fixed_upstream(base) if spec.fixed_upstream else None
+                problem = spec.precondition(base) if spec.precondition else None
             except Exception as exc:  # noqa: BLE001
                 return self._fail(group, specs, spec, f"precondition raised {exc!r}")
             if upstream:
@@ -730,6 +735,14 @@ def _raise_failures(statuses: Iterable[PatchStatus]) -> None:
     failures = [st for st in statuses if st.state == FAILED]
     if failures:
         raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
+
+
+def _innermost(obj: Any) -> Any:
+    """What is under every replacement of ours stacked on one attribute (patches of different
+    groups may share a target; each wraps what it finds)."""
+    while getattr(obj, MARKER, None) is not None and getattr(obj, "__wrapped__", None) is not None:
+        obj = obj.__wrapped__
+    return obj
 
 
 def _describe(obj: Any) -> str:

@@ -198,6 +198,35 @@ def test_revert_restores_exactly_and_deletes_inherited(pkg):
     assert mod.helper(1) == 3 and mod.Child().method() == "ours"
 
 
+def test_two_groups_stack_on_one_target_and_revert_newest_first(pkg):
+    """Patches of different groups on the same attribute: the later wraps the earlier, its checks see
+    the target's own function (not our wrapper), and revert takes them off newest first."""
+    _, write = pkg
+    target = write("t", TARGET)
+    mod = importlib.import_module(target)
+    original = mod.helper
+    seen = []
+
+    def check(fn):
+        seen.append(fn)
+        return None if fn.__module__ == target else f"judged {fn.__module__}.{fn.__qualname__}, not the target"
+
+    def times_ten(fn):
+        def replacement(x):
+            return fn(x) * 10
+
+        return replacement
+
+    r = Registry([spec(target, name="a", group="g1", precondition=check), spec(target, name="b", group="g2", factory=times_ten, precondition=check)])
+    r.activate({})
+    assert {s for s, _ in states(r).values()} == {reg.APPLIED}, states(r)
+    assert seen == [original, original]
+    assert mod.helper(1) == (1 * 2 + 1) * 10
+    r.revert()
+    assert mod.helper is original
+    assert {s for s, _ in states(r).values()} == {reg.REVERTED}, states(r)
+
+
 def test_revert_reports_conflict_and_leaves_foreign_replacement(pkg):
     _, write = pkg
     target = write("t", TARGET)
