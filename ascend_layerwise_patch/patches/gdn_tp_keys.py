@@ -95,8 +95,14 @@ class _LeaderKeysTaken:
     def get(self, key, default=None):
         return self.cache.get(key, default)
 
+    def __getitem__(self, key):
+        return self.cache[key]
+
     def __setitem__(self, key, value) -> None:
         self.cache[key] = value
+
+    def __delitem__(self, key) -> None:  # mamba_pool_hit's wrapper takes back its placeholders
+        del self.cache[key]
 
 
 class _AsSaver:
