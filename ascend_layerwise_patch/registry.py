@@ -210,6 +210,7 @@ class Registry:
         self._hooked: set[str] = set()
         self._applying: set[str] = set()
         self._versions: dict[str, _versions.Installed] = {}
+        self._unneeded: dict[str, str] = {}  # member out of its own version range -> why (the rest applies)
         self._status: dict[str, PatchStatus] = {
             s.name: PatchStatus(
                 s.name, s.group, s.target, PENDING, "not activated yet (activation runs when vLLM is imported)", ranges={"vllm": s.vllm, "vllm_ascend": s.vllm_ascend}
@@ -230,10 +231,35 @@ class Registry:
 
     # ------------------------------------------------------------------ public API
     def groups(self) -> dict[str, list[PatchSpec]]:
+        """Every group with the members in force on the installed versions (a member whose own
+        range leaves the installed versions out is not part of its group there)."""
         out: dict[str, list[PatchSpec]] = {}
         for spec in self.specs:
-            out.setdefault(spec.group, []).append(spec)
+            if spec.name not in self._unneeded:
+                out.setdefault(spec.group, []).append(spec)
         return out
+
+    def _out_of_range(self, spec: PatchSpec) -> str | None:
+        for key, wanted in (("vllm", spec.vllm), ("vllm_ascend", spec.vllm_ascend)):
+            if wanted is not None:
+                ok, why = _versions.in_range(self._versions[key], wanted)
+                if not ok:
+                    return f"version out of range: {why}"
+        return None
+
+    def _find_unneeded(self) -> None:
+        """Members out of their own range in a group that has members in range: left out, and the
+        group applies without them (a group all of whose members are out of range is skipped)."""
+        self._unneeded = {}
+        by_group: dict[str, list[PatchSpec]] = {}
+        for spec in self.specs:
+            by_group.setdefault(spec.group, []).append(spec)
+        for group, specs in by_group.items():
+            reasons = {spec.name: self._out_of_range(spec) for spec in specs}
+            if any(r is None for r in reasons.values()):
+                for name, why in reasons.items():
+                    if why is not None:
+                        self._unneeded[name] = f"{why} (not needed there; the rest of group {group} applies without it)"
 
     def status(self) -> list[PatchStatus]:
         with self._lock:
@@ -289,6 +315,10 @@ class Registry:
                 return self.status()
 
             skip = _env_list(env.get(ENV_SKIP))
+            self._find_unneeded()
+            for name, why in self._unneeded.items():
+                st = self._status[name]
+                st.state, st.reason = SKIPPED, why
             self.config_errors = self.switch_errors(env)
             for error in self.config_errors:
                 self._log_when_vllm_logs("error", "ascend_layerwise_patch: %s", error)
@@ -424,12 +454,9 @@ class Registry:
                     f"skipped by {ENV_SKIP}" if len(specs) == 1 else f"group {group}: {spec.name} skipped by {ENV_SKIP}"
                 )
         for spec in specs:
-            for key, wanted in (("vllm", spec.vllm), ("vllm_ascend", spec.vllm_ascend)):
-                if wanted is None:
-                    continue
-                ok, why = _versions.in_range(self._versions[key], wanted)
-                if not ok:
-                    return f"version out of range: {why}"
+            why = self._out_of_range(spec)
+            if why is not None:
+                return why
         return None
 
     def _hook(self, module: str) -> None:

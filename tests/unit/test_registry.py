@@ -323,6 +323,28 @@ def test_version_out_of_range_skips_group(pkg, monkeypatch):
     assert mod.helper(1) == 2
 
 
+def test_member_out_of_its_own_range_is_left_out_and_the_group_applies(pkg, monkeypatch):
+    """A member declared for fewer versions than its group is not part of the group elsewhere."""
+    _, write = pkg
+    target = write("t", TARGET)
+    mod = importlib.import_module(target)
+    monkeypatch.setattr(versions, "detect", lambda: {"vllm": versions.Installed("vllm", "0.26.0"), "vllm_ascend": versions.Installed("vllm-ascend", None)})
+    r = Registry(
+        [
+            spec(target, name="wide", vllm=">=0.25.0,<0.27"),
+            spec(target, name="narrow", qual="Child.method", factory=lambda f: (lambda self: "ours"), vllm=">=0.25.0,<0.26"),
+        ]
+    )
+    r.activate({})
+    got = states(r)
+    assert got["wide"][0] == reg.APPLIED and mod.helper(1) == 3
+    assert got["narrow"][0] == reg.SKIPPED and "version out of range" in got["narrow"][1] and "rest of group g" in got["narrow"][1]
+    assert mod.Child().method() == "base"
+    r2 = Registry([spec(target, name="a", vllm=">=0.25.0,<0.26"), spec(target, name="b", qual="Child.method", vllm=">=0.25.0,<0.26")])
+    r2.activate({})
+    assert {s for s, _ in states(r2).values()} == {reg.SKIPPED}
+
+
 def test_env_switches(pkg):
     _, write = pkg
     target = write("t", TARGET)
