@@ -42,6 +42,7 @@ smoke() {
 }
 if [ -x "$root/v0251/bin/python" ]; then
   smoke bench_hotpath "$root/v0251/bin/python" scripts/bench_hotpath.py --quick
+  smoke bench_precopy "$root/v0251/bin/python" scripts/bench_precopy.py --quick
   # vLLM's and vllm-ascend's kernels come from their wheels into git-ignored .bench/ (read, never kept)
   smoke "fetch reference kernels" "$root/v0251/bin/python" scripts/bench_postprocess.py fetch
   smoke bench_postprocess env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_PLUGINS= "$root/v0251/bin/python" scripts/bench_postprocess.py --cpu-smoke
