@@ -99,8 +99,8 @@ def main() -> int:
 
     rows = []
     cases = [(1, 36), (8, 36), (64, 36)] if not args.quick else [(4, 8)]
-    n, repeat = (200, 7) if not args.quick else (20, 2)
     for num_reqs, num_layers in cases:
+        n, repeat = (max(5, 3000 // (num_reqs * num_layers)), 5) if not args.quick else (20, 2)
         s = setup(num_reqs, num_layers)
         kv_transfer_state._KV_CONNECTOR_AGENT = s.connector
         try:

@@ -29,6 +29,37 @@ imports nothing heavy at import time (factories import their targets' neighbours
    Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
    Remove:  when vllm-ascend's _forward_core waits itself (detected: the patch then skips itself).
 
+** mamba_precopy_rows ** and ** mamba_precopy_defer ** (``mamba_precopy.py``, group ``gdn_layerwise``)
+   Target:  vllm.v1.worker.mamba_utils.collect_mamba_copy_meta and do_mamba_copy_block; applied by
+            the gdn_layerwise entry.
+   Why:     execute_model pre-copies the align state right after start_load_kv, which in layerwise
+            mode only builds the load tasks: on a pool hit the copy reads its source block before
+            the layer's load wrote it, and GDN computes from stale bytes.
+   How:     rows whose source a layerwise load writes this step are uploaded once and copied per
+            layer (same batch-copy kernel) between the layer's wait and its first state read;
+            every other row keeps upstream's bulk copy. Same group as gdn_layerwise: both or none.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 / 0.26.0rc1 (upstream reworked it on its V2 runner later).
+   Remove:  when vllm-ascend's runner no longer pre-copies in bulk (detected: the group then skips).
+
+** mamba_local_hit ** (``mamba_local_hit.py``)
+   Target:  vllm_ascend.patch.platform.patch_kv_cache_coordinator.AscendHybridKVCacheCoordinator.
+            find_longest_cache_hit_per_group; KVPoolScheduler.bind_gpu_block_pool.
+   Why:     with a connector, the scheduler's local hit skips mamba groups: on a pool-serving
+            instance every local prefix hit starts GDN from the null block.
+   How:     for the block pool the AscendStore pool scheduler is bound to, the joint hit over all
+            groups (vLLM's own local path); P/D connectors keep upstream's skip.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Remove:  when the coordinator no longer skips mamba groups (detected: the group then skips).
+
+** mamba_pool_hit ** (``mamba_pool_hit.py``)
+   Target:  KVPoolScheduler._get_layerwise_gva_hit_tokens; KVPoolWorker._alloc_gvas_for_save.
+   Why:     a whole-prompt pool hit ends one token short of a block boundary, and the layerwise save
+            publishes mamba null blocks under real keys: GDN starts from states nobody saved.
+   How:     hybrid hits end at the last block boundary below the prompt end at which every mamba
+            group's key is ready (0 if none); null mamba blocks are never allocated a key.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Remove:  when the hit check knows mamba groups (detected: the group then skips).
+
 ** mamba_lifetime ** (``mamba_lifetime.py``)
    Target:  ascend_store.pool_scheduler.KVPoolScheduler.touch_sending_mamba_blocks (scheduler
             half); ascend_store.pool_worker.KVPoolWorker.{start_load_kv, save_kv_layer,

@@ -229,3 +229,33 @@ def test_speculative_blocks_control(library_on, monkeypatch, name):
     wrong_gdn, wrong_attn, starts = wrong_layers(name)
     print(f"\n{name} (1 speculative block): wrong GDN reads {wrong_gdn}, wrong attention blocks {wrong_attn}, started at {starts}")
     assert (wrong_gdn, wrong_attn) == (0, 0)
+
+
+def test_precopy_applies_with_gdn_layerwise_or_not_at_all():
+    """(a) and the GDN per-layer wait are one group: a drifted pre-copy target takes the wait down
+    too (a process that waits per layer but pre-copies in bulk is the bug), and ``check`` shows it."""
+    from ascend_layerwise_patch.patches import gdn_layerwise, mamba_precopy
+    from ascend_layerwise_patch.registry import FAILED, Registry
+
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    try:
+        drifted = tuple(
+            s._replace(precondition=lambda _o: "drifted in this test") if s.name == "mamba_precopy_defer" else s
+            for s in (*gdn_layerwise.SPECS, *mamba_precopy.SPECS)
+            if s.group == "gdn_layerwise"
+        )
+        own = Registry(drifted)
+        try:
+            own.activate({})
+            own.apply_pending()
+            states = {st.name: (st.group, st.state) for st in own.status()}
+        finally:
+            own.revert()
+    finally:
+        reg.activate()
+    assert states == {
+        "gdn_layerwise": ("gdn_layerwise", FAILED),
+        "mamba_precopy_rows": ("gdn_layerwise", FAILED),
+        "mamba_precopy_defer": ("gdn_layerwise", FAILED),
+    }, states
