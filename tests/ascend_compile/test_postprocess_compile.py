@@ -120,9 +120,7 @@ def test_variant_compiles_within_ub(compiler, kernel, target, variant, record_pr
 # ----------------------------------------------------------------------------- negative control
 
 
-def _copy_bytes_cast_in_loop(
-    src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr, STREAM: tl.constexpr
-):
+def _copy_bytes_cast_in_loop(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """The copy with vLLM 0.25's habit: a tensor of int64 addresses cast to a pointer in the loop."""
     lanes = tl.arange(0, COPY_BYTES)
     for i in range(0, nbytes, COPY_BYTES):
