@@ -56,7 +56,8 @@ def launch_args(*, dim_first, idx_mapping, precomputed, out, num_reqs, stride):
     return (
         [Tensor(I32), Tensor(I32), None if precomputed else Tensor(I32), Tensor(I32),
          None if precomputed else Tensor(I32), Tensor(I64), stride, Tensor(I64), Tensor(I64), Tensor(I32),
-         Tensor(I64), Tensor(I32), Tensor(I32), Tensor(I32), Tensor(I64), Tensor(I32) if out else None, Tensor(I32) if idx_mapping else None, num_reqs],
+         Tensor(I64), Tensor(I32), Tensor(I32), Tensor(I32), Tensor(I64), Tensor(I32) if out else None,
+         Tensor(I32) if idx_mapping else None, num_reqs],
         dict(block_size=1024, COPY_BLOCK_SIZE=1024, CONV_STATE_DIM_FIRST=dim_first, HAS_IDX_MAPPING=idx_mapping,
              PRECOMPUTED_NEW_COMPUTED=precomputed),
     )
