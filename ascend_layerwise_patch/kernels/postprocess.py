@@ -26,39 +26,57 @@ Copies are byte copies (``memmove`` when source and destination overlap: the SD 
 Design, and why it suits triton-ascend as well as a GPU:
 
 * **Grid (states, pieces, request blocks)**, not vLLM's (requests, states). Each program loads the
-  decision inputs of up to ``REQ_BLOCK`` (128) requests as vectors -- one round of memory latency
-  instead of one per request -- and then walks only the requests that copy. The grid no longer
-  grows with the batch: 72 states x 16 pieces = 1152 programs on an H200 for a Qwen3-Next step
-  of up to 128 requests, against vLLM's 9216 mostly idle ones. An NPU runs a grid in rounds over
-  its few dozen vector cores (triton-ascend's guide sizes grids by the core count): there the
-  piece count comes out at 8 (48 cores), so the grid is a small multiple of the cores, whatever
-  the batch.
+  decision inputs of up to ``REQ_BLOCK`` (128) requests as vectors, gathers the source and
+  destination block ids of all of them at once (one round of memory latency for the batch instead
+  of one per request), and then walks only the requests that copy. The grid no longer grows with
+  the batch: 72 states x 64 pieces on an H200 for a Qwen3-Next step of up to 128 requests. An NPU
+  runs a grid in rounds over its few dozen vector cores (triton-ascend's guide sizes grids by the
+  core count): there the piece count comes out at 8 (40 or 48 cores), a small multiple of the cores.
 * **Pieces.** Every (request, state) copy is cut into ``num_programs(1)`` pieces, one per program:
-  a 2 MiB temporal state is copied by 16 programs instead of one walking it 1 KiB at a time (the
-  idea of vllm-ascend's later ``TEMPORAL_TILES``). The piece count is chosen at launch from the
-  device's core count (vector cores on an NPU, SMs on a GPU) and is a runtime value, so it never
-  triggers a recompile. Pieces start on 256-byte boundaries so each stays aligned.
-* **Copies** are plain ``tl.load``/``tl.store`` of an ``arange`` tile: an unmasked main loop and
-  one masked tail, as 8-byte words when both ends and the length allow it, else as bytes. The
-  int64 address is cast to a pointer once per region, outside the copy loop (triton-ascend's
-  pointer analysis rejects a cast inside it; vllm-ascend hoists it for the same reason).
-  ``tl.multiple_of`` is a compiler hint checked at run time first, not an intrinsic. No inline
-  assembly, no atomics, no CUDA-only intrinsics; tiles are 16 KiB (4 KiB for dim-first rows),
-  far below an NPU vector core's unified buffer.
-* **Dim-first conv states** (dim rows of a few bytes each) are copied as 2-D tiles of 256 rows x
-  16 bytes (as 4-, 2- or 1-byte elements, whichever the addresses allow), the rows split over the
-  pieces -- not row by row with a 1 KiB masked loop, and the shift applied once per row, not
-  repeated per tile as in vllm-ascend's ``TEMPORAL_TILES`` variant. With no shift and packed rows
-  the state is one contiguous span, copied as such.
+  a 2 MiB temporal state is copied by 64 programs on an H200 instead of one walking it 1 KiB at a
+  time (the idea of vllm-ascend's later ``TEMPORAL_TILES``). The piece count is chosen at launch
+  from the device's core count (vector cores on an NPU, SMs on a GPU) and is a runtime value, so
+  it never triggers a recompile. Pieces start on 256-byte boundaries so each stays aligned.
+* **One copy loop.** Every region a request moves (temporal state, SD conv window, packed DS conv
+  state, each token row of the in-place shift) goes through the same ``_copy_piece`` call: plain
+  ``tl.load``/``tl.store`` of an ``arange`` tile, unmasked 8-byte words when both ends and the
+  length allow it (``tl.multiple_of`` is a hint checked at run time first), then a masked tail in
+  small steps; unaligned regions (none in vLLM's layouts) go as bytes in small steps. The int64
+  address is cast to a pointer once per region, outside the copy loop (triton-ascend's pointer
+  analysis rejects a cast inside it, see the negative control in tests/ascend_compile; nor can it
+  follow a reduced int64 address into the cast, so the walk reduces int32 block ids). No inline
+  assembly, no atomics, no CUDA-only intrinsics.
+* **Tile sizes per backend** (``TUNING``). On an NPU every tile is staged in the vector core's
+  192 KiB unified buffer (UB), and bishengir double-buffers it: 8 KiB steps. On a GPU a tile lives
+  in registers and bytes in flight set the bandwidth: 32 KiB steps, 64 pieces on an H200.
+* **Dim-first conv states** (dim rows of a few bytes each) are copied as 2-D tiles of
+  ``DS_ROWS * 4`` elements, rows x 16 bytes (as 4-, 2- or 1-byte elements, whichever the addresses
+  allow), the rows split over the pieces, the shift applied once per row. With no shift and packed
+  rows the state is one contiguous span, copied as such.
 * **The in-place shift** (SD conv state, source block == destination block, bias > 0) is the one
-  overlapping copy. Pieces of it would race, so one program does it, front to back, in steps no
-  longer than the shift: no step reads what an earlier one wrote, and no step's read overlaps its
-  own write. (Under the interpreter programs run in order, so a race here could never show there.)
+  overlapping copy. It moves token row ``j + bias`` to row ``j`` for ``j = 0, 1, ...`` in order;
+  each program moves only its own piece (columns) of every row, and a row is read before it is
+  written, so programs never touch each other's bytes and no read sees a write. (Under the
+  interpreter programs run in order, so a race here could never show there.)
 * **No program reads what another writes.** Every program reads ``num_accepted`` and only the
   (state 0, piece 0) program writes the 1s -- into the out buffer. With no out buffer (vLLM
   0.25.x's V2 caller) that write goes to ``num_accepted`` in place, as vLLM's kernel does, and
   that caller races; ``patches/postprocess_kernel.py`` replaces that caller so it passes one.
 * ``COPY_BLOCK_SIZE`` is accepted for the signature and ignored: tiling is this kernel's own.
+
+Measured (2026-12-03). Unified buffer planned by bishengir (triton-ascend 3.2.0, ascendnpu-ir
+1.2.0) for every launch variant this launcher produces on an NPU (tests/ascend_compile: 48 variants
+per target -- flags, ``None`` arguments, ``num_reqs`` / stride specialisations of vLLM 0.25's V1,
+V2 and spec-decode callers), of 196,608 B; identical on Atlas A2 (Ascend910B3) and A3
+(Ascend910_9392):
+
+    conv dim last (SD), every variant    39,936 - 44,288 B   20.3 - 22.5 %
+    conv dim first (DS), every variant   47,072 - 51,424 B   23.9 - 26.2 %
+
+(the kernel before this layout, with 16 KiB tiles: 185 - 188 KB, 94 - 96 %). On an NVIDIA H200
+(docs/h200_postprocess.md): 89 % of a plain copy's bandwidth for 128 requests all copying (SD and
+DS), 84 % with a 2-token shift in DS, 1.12x / 1.20x a plain copy for a decode step with one
+crossing (SD / DS).
 
 Importing this module imports neither torch nor triton. The launcher object is what gets
 installed (also in ``check --cpu``, where the NPU stand-ins make real Triton unusable); the Triton
@@ -102,12 +120,13 @@ _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
 #: Launch defaults by Triton backend: bytes per copy step, rows per dim-first tile, programs per
-#: core (sets the piece count), streaming cache hints. An NPU vector core stages every tile in its
-#: 192 KiB unified buffer, double-buffered by bishengir (tests/ascend_compile reads the plan). A GPU
-#: keeps a tile in registers and wants bytes in flight (scripts/bench_postprocess.py --sweep).
+#: core (sets the piece count). An NPU vector core stages every tile in its 192 KiB unified buffer,
+#: double-buffered by bishengir: 8 KiB steps plan 20-26% of it (tests/ascend_compile). A GPU keeps
+#: a tile in registers and wants bytes in flight: the best of scripts/bench_postprocess.py --sweep
+#: on an H200 (docs/h200_postprocess.md).
 TUNING = {
-    "npu": dict(copy_bytes=8192, ds_rows=64, programs_per_core=8, streaming=False),
-    "gpu": dict(copy_bytes=16384, ds_rows=128, programs_per_core=32, streaming=False),
+    "npu": dict(copy_bytes=8192, ds_rows=64, programs_per_core=8),
+    "gpu": dict(copy_bytes=32768, ds_rows=128, programs_per_core=32),
 }
 MAX_PIECES = 64
 
@@ -124,48 +143,43 @@ tl: Any = _Placeholder()  # triton.language once compiled() has run
 # Plain functions until compiled() passes them to triton.jit and rebinds these module names.
 
 
-def _copy_tile_loop(src, dst, count, LANES: tl.constexpr, TAIL: tl.constexpr, STREAM: tl.constexpr):
+def _copy_tile_loop(src, dst, count, LANES: tl.constexpr, TAIL: tl.constexpr):
     """``count`` elements from ``src`` to ``dst`` (typed pointers): unmasked tiles of ``LANES``,
     then masked steps of ``TAIL`` (a runtime mask defeats vector access: a small tile keeps the
     tail from setting the register count on a GPU, or the UB plan on an NPU)."""
     lanes = tl.arange(0, LANES)
     full = count // LANES * LANES
     for i in range(0, full, LANES):
-        if STREAM:  # GPU: streamed bytes, read and written once, kept out of the way in L2
-            tl.store(dst + i + lanes, tl.load(src + i + lanes, eviction_policy="evict_first"), cache_modifier=".cs")
-        else:
-            tl.store(dst + i + lanes, tl.load(src + i + lanes))
+        tl.store(dst + i + lanes, tl.load(src + i + lanes))
     tail = tl.arange(0, TAIL)
     for j in range(full, count, TAIL):
         mask = j + tail < count
         tl.store(dst + j + tail, tl.load(src + j + tail, mask=mask), mask=mask)
 
 
-def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr, STREAM: tl.constexpr):
+def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """Non-overlapping copy of ``nbytes`` between two int64 addresses."""
     aligned = (((src_addr | dst_addr) & 15) == 0) & ((nbytes & 7) == 0)
     if aligned:
         # Both ends 16-byte aligned (checked above, so the hint is true): 8-byte words.
         src_words = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
         dst_words = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int64)), 16)
-        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8, SLOW_BYTES // 8, STREAM)
+        _copy_tile_loop(src_words, dst_words, nbytes // 8, COPY_BYTES // 8, SLOW_BYTES // 8)
     else:
         # Rare (vLLM's states are aligned): bytes, in small steps, so that this path costs no
         # more registers (GPU) or unified buffer (NPU) than the fast one.
         src_bytes = src_addr.to(tl.pointer_type(tl.uint8))
         dst_bytes = dst_addr.to(tl.pointer_type(tl.uint8))
-        _copy_tile_loop(src_bytes, dst_bytes, nbytes, SLOW_BYTES, SLOW_BYTES, False)
+        _copy_tile_loop(src_bytes, dst_bytes, nbytes, SLOW_BYTES, SLOW_BYTES)
 
 
-def _copy_piece(
-    src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr, STREAM: tl.constexpr
-):
+def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """This program's piece of a non-overlapping copy cut into ``pieces`` aligned pieces."""
     chunk = ((nbytes + pieces - 1) // pieces + 255) // 256 * 256
     lo = piece * chunk
     hi = tl.minimum(nbytes, lo + chunk)
     if lo < hi:
-        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES, SLOW_BYTES, STREAM)
+        _copy_bytes(src_addr + lo, dst_addr + lo, hi - lo, COPY_BYTES, SLOW_BYTES)
 
 
 def _copy_rows(src, dst, rows, row_stride, row_len, piece, pieces, ROWS: tl.constexpr, COLS: tl.constexpr):
@@ -235,7 +249,6 @@ def _postprocess_kernel(
     REQ_BLOCK: tl.constexpr,
     COPY_BYTES: tl.constexpr,
     SLOW_BYTES: tl.constexpr,
-    STREAM: tl.constexpr,
     DS_ROWS: tl.constexpr,
     DS_COLS: tl.constexpr,
 ):
@@ -339,7 +352,7 @@ def _postprocess_kernel(
                 step = inner * elem
                 n = step
         for j in range(0, reps):
-            _copy_piece(s + j * step, d + j * step, n, piece, pieces, COPY_BYTES, SLOW_BYTES, STREAM)
+            _copy_piece(s + j * step, d + j * step, n, piece, pieces, COPY_BYTES, SLOW_BYTES)
 
 
 _TRITON_FUNCTIONS = (
@@ -427,7 +440,6 @@ class PostprocessKernel:
         ds_rows: int | None = None,
         num_warps: int | None = None,
         max_registers: int | None = None,
-        streaming: bool | None = None,
     ):
         if copy_bytes is not None and (copy_bytes < 16 or copy_bytes & (copy_bytes - 1)):
             raise ValueError(f"copy_bytes must be a power of two >= 16, got {copy_bytes}")
@@ -438,7 +450,6 @@ class PostprocessKernel:
         self.ds_rows = ds_rows
         self.num_warps = num_warps
         self.max_registers = max_registers  # GPU only: Triton's maxnreg
-        self.streaming = streaming
 
     def __repr__(self) -> str:
         return f"<ascend_layerwise_patch postprocess_mamba_fused_kernel (23 params) pieces={self.pieces}>"
@@ -470,7 +481,6 @@ class PostprocessKernel:
         pieces = self.pieces or default_pieces(cores, states, tuning["programs_per_core"])
         copy_bytes = self.copy_bytes or tuning["copy_bytes"]
         ds_rows = self.ds_rows or tuning["ds_rows"]
-        streaming = tuning["streaming"] if self.streaming is None else self.streaming
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
         if self.max_registers and backend == "gpu":
             extra["maxnreg"] = self.max_registers
@@ -484,7 +494,6 @@ class PostprocessKernel:
             REQ_BLOCK=REQ_BLOCK,
             COPY_BYTES=copy_bytes,
             SLOW_BYTES=max(copy_bytes // 16, 16),
-            STREAM=bool(streaming) and backend == "gpu",
             DS_ROWS=ds_rows,
             DS_COLS=DS_COLS,
             **extra,

@@ -29,7 +29,9 @@ TARGETS = {"A2": "Ascend910B3", "A3": "Ascend910_9392"}
 VECTOR_CORES = {"Ascend910B3": 40, "Ascend910_9392": 48}
 CANN_MISSING = "External hivmc run fails"
 # `%c2560_i64) : memref<16384xi8, ... #hivm.address_space<ub>>`: offset, shape, element type
-_UB_BUFFER = re.compile(r"pointer_cast\(%c(\d+)(?:_i64)?\)\s*:\s*memref<((?:\d+x)*)([a-z]+)(\d+)[^>]*address_space<ub>>")
+_UB_BUFFER = re.compile(
+    r"pointer_cast\(%c(\d+)(?:_i64)?\)\s*:\s*memref<((?:\d+x)*)([a-z]+)(\d+)[^>]*address_space<ub>>"
+)
 _UB_SIZE = re.compile(r'"UB_SIZE",\s*(\d+)\s*:\s*i32')
 
 

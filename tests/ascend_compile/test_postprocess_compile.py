@@ -54,9 +54,10 @@ I32, I64 = "int32", "int64"
 def launch_args(*, dim_first, idx_mapping, precomputed, out, num_reqs, stride):
     """The 23 parameters as vLLM 0.25 passes them (None where a caller passes None)."""
     return (
-        [Tensor(I32), Tensor(I32), None if precomputed else Tensor(I32), Tensor(I32), None if precomputed else Tensor(I32),
-         Tensor(I64), stride, Tensor(I64), Tensor(I64), Tensor(I32), Tensor(I64), Tensor(I32), Tensor(I32),
-         Tensor(I32), Tensor(I64), Tensor(I32) if out else None, Tensor(I32) if idx_mapping else None, num_reqs],
+        [Tensor(I32), Tensor(I32), None if precomputed else Tensor(I32), Tensor(I32),
+         None if precomputed else Tensor(I32), Tensor(I64), stride, Tensor(I64), Tensor(I64), Tensor(I32),
+         Tensor(I64), Tensor(I32), Tensor(I32), Tensor(I32), Tensor(I64), Tensor(I32) if out else None,
+         Tensor(I32) if idx_mapping else None, num_reqs],
         dict(block_size=1024, COPY_BLOCK_SIZE=1024, CONV_STATE_DIM_FIRST=dim_first, HAS_IDX_MAPPING=idx_mapping,
              PRECOMPUTED_NEW_COMPUTED=precomputed),
     )
@@ -75,7 +76,8 @@ def variants():
     found = {}
     for dim_first, idx, pre, out in itertools.product((False, True), repeat=4):
         found[(dim_first, idx, pre, out, 37, 37)] = None
-    for (caller, kw), dim_first, n, stride in itertools.product(CALLERS.items(), (False, True), (1, 32, 37), (1, 48, 37)):
+    ints = itertools.product((1, 32, 37), (1, 48, 37))  # num_reqs, stride: == 1, % 16 == 0, other
+    for (caller, kw), dim_first, (n, stride) in itertools.product(CALLERS.items(), (False, True), ints):
         found.setdefault((dim_first, kw["idx_mapping"], kw["precomputed"], kw["out"], n, stride), caller)
     named = {}
     for (dim_first, idx, pre, out, n, stride), caller in found.items():
@@ -120,9 +122,7 @@ def test_variant_compiles_within_ub(compiler, kernel, target, variant, record_pr
 # ----------------------------------------------------------------------------- negative control
 
 
-def _copy_bytes_cast_in_loop(
-    src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr, STREAM: tl.constexpr
-):
+def _copy_bytes_cast_in_loop(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
     """The copy with vLLM 0.25's habit: a tensor of int64 addresses cast to a pointer in the loop."""
     lanes = tl.arange(0, COPY_BYTES)
     for i in range(0, nbytes, COPY_BYTES):
