@@ -26,7 +26,6 @@ activation -- even from a second engine -- recognises it by identity and never w
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import importlib.util
 import os
@@ -307,7 +306,6 @@ class Registry:
                 st.versions = dict(shown)
                 st.aliases = []
 
-            atexit.register(self._summary_at_exit)
             if _is_false(env.get(ENV_ENABLE)):
                 for st in self._status.values():
                     st.state, st.reason = SKIPPED, f"disabled by {ENV_ENABLE}={env.get(ENV_ENABLE)}"
@@ -738,14 +736,6 @@ class Registry:
         if spec.copied_by and spec.module not in sys.modules and all(m in sys.modules for m in spec.copied_by):
             return False
         return True
-
-    def _summary_at_exit(self) -> None:
-        """A process that never imported some target never settles: it still logs one line."""
-        if self._summarized is None and self._active:
-            import logging
-
-            logging.raiseExceptions = False  # at exit the log stream may be closed already
-            self.log_summary()
 
     def log_summary(self) -> None:
         """One line per process: versions, then every patch's state (with reasons if not applied)."""
