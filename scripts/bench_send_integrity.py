@@ -66,6 +66,24 @@ def main() -> int:
     conn.connector_scheduler.sending_events.update({7: 0, 8: 0})
     compare("scheduler: has_pending_push_work, open events (idle steps)", lambda: base(conn), lambda: ours(conn), number, repeat, rows)
 
+    # ---- the same through vLLM's real Scheduler.has_requests() (what EngineCoreProc.has_work() and
+    # EngineCore.step() call), no request left: the only scheduler path this change adds to
+    inst = hp.PoolInstance(hp.make_pool())
+    sched = inst.scheduler
+    cs = sched.connector.connector_scheduler
+
+    for label, events in (("no open send event", {}), ("open events (idle steps)", {1: 0})):
+        cs.sending_events.clear()
+        cs.sending_events.update(events)
+        a, b = [], []
+        for _ in range(repeat):
+            conn_cls.has_pending_push_work = base
+            a.append(per_call_ns(sched.has_requests, number))
+            conn_cls.has_pending_push_work = ours
+            b.append(per_call_ns(sched.has_requests, number))
+        rows.append((f"scheduler: Scheduler.has_requests(), {label}", min(a), min(b)))
+    cs.sending_events.clear()
+
     # ---- worker side
     h = hp.Harness(tp=1, num_blocks=64)
     w = h.workers[0]
