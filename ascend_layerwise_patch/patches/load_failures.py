@@ -429,11 +429,12 @@ def _with_risk(check):
     return checked
 
 
-def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP) -> PatchSpec:
+def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=()) -> PatchSpec:
     return PatchSpec(
         name=name,
         group=group,
         target=target,
+        aliases=aliases,
         factory=factory,
         why="failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
         "which handles hybrid (multi-group) requests",
@@ -469,5 +470,9 @@ SPECS = (
         make_update_invalid,
         _expects(["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"], needs=("get_block_ids",)),
         fixed=_upstream_hybrid,
+        # vllm-ascend's patch_balance_schedule rebinds the module's ``Scheduler`` to its subclass;
+        # after that the target names the subclass, and this alias the base class every other
+        # scheduler (AsyncScheduler, vllm-ascend's own) inherits the method from.
+        aliases=("vllm.v1.core.sched.scheduler:Scheduler.__base__._update_requests_with_invalid_blocks",),
     ),
 )
