@@ -76,7 +76,8 @@ def _save_then_hit(tp: int, kv_heads: int, pool=None):
 def _groups(inst: PoolInstance) -> tuple[set[int], set[int]]:
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    mamba = {g for g, grp in enumerate(inst.kv_cache_config.kv_cache_groups) if isinstance(grp.kv_cache_spec, MambaSpec)}
+    groups = inst.kv_cache_config.kv_cache_groups
+    mamba = {g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, MambaSpec)}
     return mamba, set(range(len(inst.kv_cache_config.kv_cache_groups))) - mamba
 
 
@@ -167,7 +168,9 @@ def test_a_block_hits_only_when_every_rank_key_is_ready(library):
     assert b.wrong_reads("b") == [] and b.wrong_reads("b", kind="attn") == []
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, phases=(Phase.generate,))
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, phases=(Phase.generate,)
+)
 @given(
     layout=st.sampled_from([(2, 1), (4, 2), (4, 1)]),
     prompt_len=st.integers(33, 63),

@@ -75,7 +75,7 @@ def test_tensor_parallel_ranks_and_faults():
     a.add_request("a", PROMPT, max_tokens=1)
     engine_loop(a)
     assert a.wrong_reads("a") == [] and {r.rank for r in a.reads_of("a")} == {0, 1}
-    assert len(pool.ready_keys()) == 6  # 2 blocks: attention keys of the leader rank, GDN keys of each rank (gdn_tp_keys)
+    assert len(pool.ready_keys()) == 6  # 2 blocks: leader-rank attention keys, per-rank GDN keys (gdn_tp_keys)
 
     fault = pool.add_fault("error", direction=1, times=1)
     b = PoolInstance(pool, name="B", tp=2, kv_heads=1)
