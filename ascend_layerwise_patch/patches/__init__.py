@@ -154,6 +154,14 @@ imports nothing heavy at import time (factories import their targets' neighbours
             included) can resume from. Recommended policy: kv_load_failure_policy=recompute.
    Upstream: not fixed in vLLM 0.25.1 / vllm-ascend 0.25.1rc1 (0.26.0rc1 raises on a failed load).
    Remove:  when both halves are fixed upstream (each detected: those specs skip themselves).
+
+** load_failures_policy ** (``load_failures.py``, its own group)
+   Target:  vllm_ascend.platform.NPUPlatform._validate_kv_load_failure_policy.
+   Why:     vllm-ascend's config check refuses kv_load_failure_policy=recompute for hybrid models;
+            the platform module is imported while vLLM is still initialising, long before
+            load_failures' modules can be resolved, so it cannot share that group.
+   How:     lifts the refusal while load_failures is applied or pending in the process.
+   Remove:  with load_failures, or when vllm-ascend drops the refusal (detected: skips itself).
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ def make_build_shared(original):
 
         empty = np.zeros(0, dtype=np.int64)
         finish = shared_cls(empty, empty, [], [], save_keys=list(keys))
-        final.append(task_cls(layer_id=self.num_layers - 1, block_ranges=[], shared_block_data=finish, group_id=group_id))
+        last = self.num_layers - 1
+        final.append(task_cls(layer_id=last, block_ranges=[], shared_block_data=finish, group_id=group_id))
 
     return _build_shared_save_data
 

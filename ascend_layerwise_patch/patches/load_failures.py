@@ -39,8 +39,9 @@ How      Worker: the receiving thread turns a copy that raises into a failed cop
          Scheduler: for a request of a hybrid coordinator (more than one KV cache group) the
          rollback point is the longest prefix every group can resume from: before the first
          invalid block of every group (later blocks may derive from it) and, for mamba groups,
-         with a state block at that point that is neither null nor invalid (or the start). Every group rolls back together; under ``fail``
-         the blocks from that point on, in every group, are evicted from the prefix cache.
+         with a state block at that point that is neither null nor invalid (or the start). Every
+         group rolls back together; under ``fail`` the blocks from that point on, in every group,
+         are evicted from the prefix cache.
          Single-group schedulers run upstream's code unchanged. vllm-ascend's platform refuses
          ``recompute`` for hybrid models (its config check asserts); with the rollback above that
          refusal is lifted while ``load_failures`` is applied or pending in the process (the check
@@ -307,7 +308,9 @@ def make_update_invalid(original):
         return next(iter(inner.values())) if inner else spec
 
     @functools.wraps(original)
-    def _update_requests_with_invalid_blocks(self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks=True):
+    def _update_requests_with_invalid_blocks(
+        self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks=True
+    ):
         groups = self.kv_cache_config.kv_cache_groups
         if len(groups) <= 1:
             return original(self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
@@ -378,7 +381,12 @@ def _upstream_hybrid(original) -> str | None:
 def _wait_ok(original) -> str | None:
     problem = _expects(
         ["self"],
-        needs=("layer_load_finished_events", "_submit_ready_layer_loads", "reset_attention_compute_start_gate", "timeout=10"),
+        needs=(
+            "layer_load_finished_events",
+            "_submit_ready_layer_loads",
+            "reset_attention_compute_start_gate",
+            "timeout=10",
+        ),
         globals_=("reset_attention_compute_start_gate",),
     )(original)
     if problem:
@@ -429,11 +437,12 @@ def _with_risk(check):
     return checked
 
 
-def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP) -> PatchSpec:
+def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=()) -> PatchSpec:
     return PatchSpec(
         name=name,
         group=group,
         target=target,
+        aliases=aliases,
         factory=factory,
         why="failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
         "which handles hybrid (multi-group) requests",
@@ -444,6 +453,7 @@ def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports
     )
 
 
+_INVALID = ["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"]
 _COPY = ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"]
 
 SPECS = (
@@ -453,7 +463,12 @@ SPECS = (
         make_batch_copy,
         _expects(_COPY, needs=("batch_copy",)),
     ),
-    _spec("load_fail_thread", f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._handle_request", make_recv_handle, _recv_ok),
+    _spec(
+        "load_fail_thread",
+        f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._handle_request",
+        make_recv_handle,
+        _recv_ok,
+    ),
     _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok),
     _spec(
         "load_fail_policy",
@@ -467,7 +482,11 @@ SPECS = (
         "load_fail_scheduler",
         "vllm.v1.core.sched.scheduler:Scheduler._update_requests_with_invalid_blocks",
         make_update_invalid,
-        _expects(["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"], needs=("get_block_ids",)),
+        _expects(_INVALID, needs=("get_block_ids",)),
         fixed=_upstream_hybrid,
+        # vllm-ascend's patch_balance_schedule rebinds the module's ``Scheduler`` to its subclass;
+        # after that the target names the subclass, and this alias the base class every other
+        # scheduler (AsyncScheduler, vllm-ascend's own) inherits the method from.
+        aliases=("vllm.v1.core.sched.scheduler:Scheduler.__base__._update_requests_with_invalid_blocks",),
     ),
 )

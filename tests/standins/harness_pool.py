@@ -950,9 +950,10 @@ class _Rank:
         runner still has the request (until the step after it finishes)."""
         st = self.requests[req_id]
         block_id = st.block_ids[self.inst.group_of[layer_name]][block_index]
-        tensors = list(list.__iter__(self.layers[layer_name].kv_cache)) if layer_name in self.inst.gdn_layers else self.layers[layer_name].kv_cache
-        raw = self._block_bytes(tensors, block_id)
-        return self._decode(raw, self._tokens(st), self.inst.layer_index[layer_name], self.rank_key(layer_name), block_id)
+        cache = self.layers[layer_name].kv_cache
+        tensors = list(list.__iter__(cache)) if layer_name in self.inst.gdn_layers else cache
+        layer, key = self.inst.layer_index[layer_name], self.rank_key(layer_name)
+        return self._decode(self._block_bytes(tensors, block_id), self._tokens(st), layer, key, block_id)
 
     # ------------------------------------------------------------------ compute stand-ins
     def gdn_compute(self, name: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import gdn_tp_keys
@@ -74,7 +76,8 @@ def _save_then_hit(tp: int, kv_heads: int, pool=None):
 def _groups(inst: PoolInstance) -> tuple[set[int], set[int]]:
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    mamba = {g for g, grp in enumerate(inst.kv_cache_config.kv_cache_groups) if isinstance(grp.kv_cache_spec, MambaSpec)}
+    groups = inst.kv_cache_config.kv_cache_groups
+    mamba = {g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, MambaSpec)}
     return mamba, set(range(len(inst.kv_cache_config.kv_cache_groups))) - mamba
 
 
@@ -143,3 +146,67 @@ def test_old_gdn_keys_count_as_misses(library):
     # no rank's GDN key of the old layout is asked for: a miss, so B loads nothing and computes
     assert [keys for direction, keys, _res in pool.copy_log[start:] if direction == 1] == []
     assert b.outputs["b"]
+
+
+def test_a_block_hits_only_when_every_rank_key_is_ready(library):
+    """Rank 1's GDN saves fail: no block is a hit for B (no rank loads a partial set of slices)."""
+    library(True)
+    from byte_store import L2G
+
+    pool = make_pool()
+    pool.add_fault("error", direction=L2G, match=lambda key: key.endswith("@tp1"))
+    a = PoolInstance(pool, name="A", tp=2, kv_heads=1)
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    ready = pool.ready_keys()
+    assert ready and not [k for k in ready if k.endswith("@tp1")]
+    start = len(pool.copy_log)
+    b = PoolInstance(pool, name="B", tp=2, kv_heads=1)
+    b.add_request("b", PROMPT[:HIT] + [7, 8, 9, 10, 11], max_tokens=2)
+    engine_loop(b)
+    assert [keys for direction, keys, _res in pool.copy_log[start:] if direction == 1] == []
+    assert b.wrong_reads("b") == [] and b.wrong_reads("b", kind="attn") == []
+
+
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, phases=(Phase.generate,)
+)
+@given(
+    layout=st.sampled_from([(2, 1), (4, 2), (4, 1)]),
+    prompt_len=st.integers(33, 63),
+    extra=st.integers(3, 9),  # B computes a few tokens past the hit
+)
+def test_tensor_parallel_invariants_soak(layout, prompt_len, extra):
+    """Random TP layouts and prefixes: every rank's loaded GDN state is its own slice at the hit,
+    every GDN block is either ready for every rank or for none, attention keys stay per KV head."""
+    _set(True)
+    tp, kv_heads = layout
+    base = 10_000 * (prompt_len + 100 * extra) + tp * 10 + kv_heads
+    prompt = list(range(base, base + prompt_len))
+    pool = make_pool()
+    a = PoolInstance(pool, name="A", tp=tp, kv_heads=kv_heads)
+    a.add_request("a", prompt, max_tokens=1)
+    engine_loop(a)
+    hit = prompt_len // a.block_size * a.block_size  # A (one chunk) keeps the GDN state of its last full block
+    b = PoolInstance(pool, name="B", tp=tp, kv_heads=kv_heads)
+    b.add_request("b", prompt[:hit] + list(range(7, 7 + extra)), max_tokens=2)
+    held = {}
+
+    def after(inst, _so):
+        if not held:
+            for rank in inst.ranks:
+                for name in inst.gdn_layers:
+                    held[rank.rank, name] = rank.content("b", name, hit // inst.block_size - 1)
+
+    engine_loop(b, on_step=after)
+    assert held == {(r, name): hit for r in range(tp) for name in b.gdn_layers}
+    assert b.wrong_reads("b", kind="attn") == [] and a.wrong_reads("a") == []
+    mamba, attn = _groups(a)
+    by_block: dict[tuple[str, str], set[str]] = {}
+    for key in _keys(pool, mamba):
+        _model, group, block, rank = key.split("@")
+        by_block.setdefault((group, block), set()).add(rank)
+    assert by_block and all(ranks == {f"tp{r}" for r in range(tp)} for ranks in by_block.values())
+    heads = {key.rsplit("@", 1)[1] for key in _keys(pool, attn)}
+    assert heads == {str(h) for h in range(min(tp, kv_heads))}
+    assert pool.violations == []

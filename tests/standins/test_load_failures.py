@@ -55,7 +55,7 @@ def library():
 def expected() -> dict[str, list[int]]:
     """The tokens of a run without any pool (vLLM's own prefix caching only)."""
     inst = PoolInstance(None, name="control")
-    reqs = [inst.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS), inst.add_request("c", C_PROMPT, max_tokens=MAX_TOKENS)]
+    reqs = [inst.add_request(r, p, max_tokens=MAX_TOKENS) for r, p in (("b", B_PROMPT), ("c", C_PROMPT))]
     engine_loop(inst)
     assert inst.wrong_reads() == [] and inst.wrong_reads(kind="attn") == []
     return {r.request_id: list(r.output_token_ids) for r in reqs}

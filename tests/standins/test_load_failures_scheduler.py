@@ -58,7 +58,8 @@ def unpatched():
 
 
 def _config(hybrid: bool = True) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec(["model.layers.3.self_attn.attn"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32))]
+    attn = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attn)]
     if hybrid:
         mamba = MambaSpec(block_size=BS, shapes=((2, 2),), dtypes=(torch.float32,), mamba_cache_mode="align")
         groups.append(KVCacheGroupSpec([f"model.layers.{i}.linear_attn" for i in range(3)], mamba))
@@ -88,7 +89,8 @@ class Pool:
 
     def admit(self, req_id: str, *, external: int, new: int) -> Request:
         """A request whose first ``external`` tokens come from the pool, with ``new`` computed now."""
-        req = Request(req_id, [next(self._tokens) for _ in range(external + new)], SamplingParams(max_tokens=4), None, block_hasher=self._hasher)
+        tokens = [next(self._tokens) for _ in range(external + new)]
+        req = Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=self._hasher)
         computed, hit = self.manager.get_computed_blocks(req)
         assert hit == 0
         assert self.manager.allocate_slots(req, new, 0, computed, num_external_computed_tokens=external) is not None
