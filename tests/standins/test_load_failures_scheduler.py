@@ -48,11 +48,16 @@ def patched():
     reg.activate()
 
 
+_METHOD = "_update_requests_with_invalid_blocks"
+
+
 @pytest.fixture
 def unpatched():
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
-    assert not hasattr(vars(Scheduler)["_update_requests_with_invalid_blocks"], MARKER)
+    # on whichever class of the MRO defines it (vllm-ascend may have rebound ``Scheduler`` to a subclass)
+    defined = next(vars(c)[_METHOD] for c in Scheduler.__mro__ if _METHOD in vars(c))
+    assert not hasattr(defined, MARKER)
     yield
     reg.activate()
 
