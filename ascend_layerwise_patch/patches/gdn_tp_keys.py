@@ -48,6 +48,7 @@ import functools
 import importlib
 
 from ..registry import PatchSpec
+from ._checks import with_risk
 from .mamba_lifetime import _expects, _source
 
 VLLM = ">=0.25.0,<0.26"
@@ -223,13 +224,6 @@ def _scheduler_ok(original) -> str | None:
     return None
 
 
-def _with_risk(check):
-    def checked(original) -> str | None:
-        problem = check(original)
-        return f"{problem}; {RISK}" if problem else None
-
-    return checked
-
 
 def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
     return PatchSpec(
@@ -240,7 +234,7 @@ def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
         why="GDN (align-state) groups are keyed, saved and loaded per TP rank in the layerwise pool",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=_with_risk(precondition),
+        precondition=with_risk(precondition, RISK),
         fixed_upstream=_upstream_keys_per_rank,
     )
 

@@ -64,6 +64,7 @@ import importlib
 import threading
 
 from ..registry import APPLIED, PENDING, PatchSpec, logger
+from ._checks import with_risk
 from .mamba_lifetime import _expects, _source
 
 VLLM = ">=0.25.0,<0.26"
@@ -429,13 +430,6 @@ def _upstream_allows_hybrid(original) -> str | None:
     return None
 
 
-def _with_risk(check):
-    def checked(original) -> str | None:
-        problem = check(original)
-        return f"{problem}; {RISK}" if problem else None
-
-    return checked
-
 
 def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=()) -> PatchSpec:
     return PatchSpec(
@@ -448,7 +442,7 @@ def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports
         "which handles hybrid (multi-group) requests",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=_with_risk(precondition),
+        precondition=with_risk(precondition, RISK),
         fixed_upstream=fixed,
     )
 

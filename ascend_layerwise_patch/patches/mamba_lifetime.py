@@ -59,6 +59,7 @@ import os
 import threading
 
 from ..registry import PatchSpec
+from ._checks import with_risk
 from . import send_integrity as _integrity
 
 VLLM = ">=0.25.0,<0.27"
@@ -282,16 +283,6 @@ def _upstream_reports_layerwise(_original) -> str | None:
     return None
 
 
-def _with_risk(check):
-    """A failed check says what stays unfixed (the registry shows it in ``status()``)."""
-
-    def checked(original) -> str | None:
-        problem = check(original)
-        return f"{problem}; {RISK}" if problem else None
-
-    return checked
-
-
 def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
     return PatchSpec(
         name=name,
@@ -302,7 +293,7 @@ def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
         "thread is done with them, then release them",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=_with_risk(precondition),
+        precondition=with_risk(precondition, RISK),
         fixed_upstream=_upstream_reports_layerwise,
     )
 

@@ -58,6 +58,7 @@ import time
 import weakref
 
 from ..registry import PatchSpec, logger
+from ._checks import with_risk
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
@@ -342,13 +343,6 @@ def _push_work_upstream(original) -> str | None:
     return None
 
 
-def _with_risk(check, risk):
-    def checked(original) -> str | None:
-        problem = check(original)
-        return f"{problem}; {risk}" if problem else None
-
-    return checked
-
 
 SPECS = (
     PatchSpec(
@@ -359,7 +353,7 @@ SPECS = (
         why="a layerwise pool key is finished as written only when every layer slot was written",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=_with_risk(_copy_ok, "pool keys with unwritten layers can be published as ready"),
+        precondition=with_risk(_copy_ok, "pool keys with unwritten layers can be published as ready"),
         counters=counters,
     ),
     PatchSpec(
@@ -370,7 +364,7 @@ SPECS = (
         why="a queued layer send keeps its own block and GVA arrays when the next step builds its own",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=_with_risk(_shared_ok, "a send still queued after a save timeout copies the next step's blocks"),
+        precondition=with_risk(_shared_ok, "a send still queued after a save timeout copies the next step's blocks"),
     ),
     PatchSpec(
         name="send_integrity_idle_steps",
@@ -380,7 +374,7 @@ SPECS = (
         why="the engine keeps stepping (no model run) until open layerwise send events are reported",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=_with_risk(_push_work_ok, "blocks held by layerwise sends stay pinned on an idle engine"),
+        precondition=with_risk(_push_work_ok, "blocks held by layerwise sends stay pinned on an idle engine"),
         fixed_upstream=_push_work_upstream,
     ),
 )
