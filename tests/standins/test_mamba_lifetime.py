@@ -236,7 +236,7 @@ def test_env_knob_parsing():
 
 def test_group_is_all_or_nothing(unpatched):
     """A drifted worker target leaves the scheduler half unapplied too, and says what risk remains."""
-    drift = mamba_lifetime._with_risk(lambda _o: "drifted in this test")
+    drift = mamba_lifetime.with_risk(lambda _o: "drifted in this test", mamba_lifetime.RISK)
     drifted = tuple(s._replace(precondition=drift) if s.name == "mamba_worker_release" else s for s in mamba_lifetime.SPECS)
     reg = Registry(drifted)
     try:
