@@ -49,7 +49,8 @@ import importlib
 
 from ..registry import PatchSpec
 from ._checks import with_risk
-from .mamba_lifetime import _expects, _source
+from ._checks import expects as _expects
+from ._checks import source as _source
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"

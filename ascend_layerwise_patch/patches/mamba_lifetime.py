@@ -59,6 +59,8 @@ import os
 import threading
 
 from ..registry import PatchSpec
+from ._checks import expects as _expects
+from ._checks import source as _source
 from ._checks import with_risk
 from . import send_integrity as _integrity
 
@@ -229,35 +231,6 @@ def make_handle_request(original):
 
 
 # ----------------------------------------------------------------------------- checks on targets
-@functools.lru_cache(maxsize=64)  # each detector of the six specs reads the same class source
-def _source(obj) -> str:
-    import inspect  # lazy: kept off the import path
-
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
-
-
-def _expects(params: list[str], *, needs: tuple[str, ...] = (), globals_: tuple[str, ...] = ()):
-    def check(original) -> str | None:
-        import inspect
-
-        got = list(inspect.signature(original).parameters)
-        if got != params:
-            return f"{original.__qualname__} parameters are {got}, expected {params}"
-        source = _source(original)
-        missing = [n for n in needs if source and n not in source]
-        if missing:
-            return f"{original.__qualname__} no longer uses {', '.join(missing)}"
-        absent = [n for n in globals_ if n not in original.__globals__]
-        if absent:
-            return f"{original.__module__} no longer defines/imports {', '.join(absent)}"
-        return None
-
-    return check
-
-
 def _scheduler_ok(original) -> str | None:
     problem = _expects(["self", "req_meta"], needs=("sending_events", "sending_blocks", "get_sending_event_id"))(
         original

@@ -34,6 +34,7 @@ import functools
 import weakref
 
 from ..registry import PatchSpec
+from ._checks import param_names as _params
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
@@ -42,12 +43,6 @@ POOL_SCHEDULER = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_
 
 #: block pools whose scheduler's KV connector is the AscendStore pool (weakly held)
 POOL_BLOCK_POOLS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _params(fn) -> list[str]:
-    import inspect
-
-    return list(inspect.signature(fn).parameters)
 
 
 def _coordinator_precondition(original) -> str | None:

@@ -36,17 +36,12 @@ import importlib
 import math
 
 from ..registry import PatchSpec
+from ._checks import param_names as _params
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
 POOL = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
-
-
-def _params(fn) -> list[str]:
-    import inspect
-
-    return list(inspect.signature(fn).parameters)
 
 
 def _hit_precondition(original) -> str | None:

@@ -38,6 +38,7 @@ import functools
 import importlib
 
 from ..registry import PatchSpec
+from ._checks import param_names as _params
 from .connector_guards import STATE
 
 VLLM = ">=0.25.0,<0.26"
@@ -59,12 +60,6 @@ COLLECT_PARAMS = [
 _ROWS: list[tuple] = []
 #: layer name -> (src, dst, sizes) device slices still to copy this step
 PENDING: dict[str, tuple] = {}
-
-
-def _params(fn) -> list[str]:
-    import inspect
-
-    return list(inspect.signature(fn).parameters)
 
 
 def _collect_precondition(original) -> str | None:

@@ -58,6 +58,7 @@ import time
 import weakref
 
 from ..registry import PatchSpec, logger
+from ._checks import source as _source
 from ._checks import with_risk
 
 VLLM = ">=0.25.0,<0.26"
@@ -284,15 +285,6 @@ def make_has_pending_push_work(original):
 
 
 # ----------------------------------------------------------------------------- checks on targets
-def _source(obj) -> str:
-    import inspect
-
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
-
-
 def _copy_ok(original) -> str | None:
     import inspect
 
@@ -341,7 +333,6 @@ def _push_work_upstream(original) -> str | None:
     if "has_pending_push_work" in vars(ascend_store_connector.AscendStoreConnector):
         return "AscendStoreConnector defines has_pending_push_work itself"
     return None
-
 
 
 SPECS = (
