@@ -318,11 +318,27 @@ def case_step(torch, device, cache: Cache, n_reqs: int, copying: int, block_size
 
 #: BENCH_OURS='{"pieces": 64, ...}': knobs of the kernel timed as "ours" (default: its own defaults)
 OURS = json.loads(os.environ.get("BENCH_OURS") or "{}")
-#: --sweep: (pieces, copy step KiB, dim-first tile rows, warps, max registers), timed beside the
-#: defaults. Measured worse on an H200 and left out: 16 KiB steps, 8 warps, maxnreg 80, 16 or 32
-#: pieces, L2 streaming hints (evict_first loads, .cs stores: 7% slower).
-SWEEP = [(32, 16, 128, 4, None), (64, 16, 128, 4, None), (32, 32, 128, 4, None), (32, 32, 128, 8, None),
-         (64, 32, 128, 4, 128)]
+#: --sweep: knobs of PostprocessKernel, each set timed beside the defaults (a set equal to the
+#: defaults shows the run-to-run spread).
+SWEEP = [
+    dict(),
+    dict(packed_walk=False),
+    dict(pieces_first=False),
+    dict(min_piece=32768),
+    dict(copy_bytes=8192, min_piece=8192),
+    dict(pieces=64),
+    dict(pieces=64, copy_bytes=32768, min_piece=32768),
+    dict(num_warps=8),
+    dict(num_warps=2, copy_bytes=8192),
+    dict(min_piece=256, pieces=64, copy_bytes=32768, packed_walk=False, pieces_first=False),  # 2026-12-03's
+]
+SHORT = dict(pieces="p", copy_bytes="b", ds_rows="r", num_warps="w", max_registers="m", min_piece="min",
+             pieces_first="pf", packed_walk="pk")
+
+
+def sweep_name(knobs: dict) -> str:
+    return "ours " + (" ".join(f"{SHORT[k]}{int(v) if not isinstance(v, bool) else int(v)}" for k, v in knobs.items())
+                      or "defaults")
 
 
 def run_check(torch, device, ours, foreign, *, examples: int) -> bool:
@@ -395,9 +411,8 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
     caches = {"SD": base, "DS": base.with_layout(True)}
     configs = {"ours": ours.PostprocessKernel(**OURS)}
     if sweep:
-        for p, b, r, w, regs in SWEEP:
-            configs[f"ours p{p} {b}k r{r} w{w}{f' m{regs}' if regs else ''}"] = ours.PostprocessKernel(
-                pieces=p, copy_bytes=b * 1024, ds_rows=r, num_warps=w, max_registers=regs)
+        for knobs in SWEEP:
+            configs[sweep_name(knobs)] = ours.PostprocessKernel(**knobs)
     kernels = list(configs.items()) + [(k, foreign[k]) for k in ("vllm", "ascend") if foreign.get(k) is not None]
     clocks = timers(torch, device)
     tables, ok = {clock: [] for clock in clocks}, True
@@ -434,6 +449,8 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         how = {"graph": "CUDA-graph replay: GPU time only", "eager": "launches from Python, L2 flushed"}
         print(f"\n### {clock} ({how.get(clock, 'interpreter, wall clock')})")
         print_table(rows)
+        if sweep:
+            print_ratios(rows)
         if small:
             print(SMOKE_NOTE)
     return ok
@@ -449,6 +466,16 @@ def print_registers(fn):
                       f"{str(key)[-90:]}")
             except Exception as e:  # noqa: BLE001 - diagnostics only
                 print(f"registers unknown: {e!r}")
+
+
+def print_ratios(rows):
+    """Each kernel's time / plain copy's, a row per kernel, a column per case (the sweep's view)."""
+    names = [k for k in rows[0][4] if k != "plain copy"]
+    print("\n| kernel | " + " | ".join(f"{kind} {lay} {n}" for kind, lay, n, *_ in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for name in names:
+        cells = ["n/a" if res.get(name) is None else f"{res[name] / res['plain copy']:.3f}" for *_, res in rows]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def print_table(rows):

@@ -120,15 +120,19 @@ _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
 #: Launch defaults by Triton backend: bytes per copy step, rows per dim-first tile, programs per
-#: core (sets the piece count). An NPU vector core stages every tile in its 192 KiB unified buffer,
-#: double-buffered by bishengir: 8 KiB steps plan 20-26% of it (tests/ascend_compile). A GPU keeps
-#: a tile in registers and wants bytes in flight: the best of scripts/bench_postprocess.py --sweep
-#: on an H200 (docs/h200_postprocess.md).
+#: core and at most ``max_pieces`` (set the piece count), the least bytes a piece gets (a state
+#: smaller than ``pieces * min_piece`` is copied by fewer programs: the others exit at once), grid
+#: order, the walk's reductions and warps. An NPU vector core stages every tile in its 192 KiB
+#: unified buffer, double-buffered by bishengir: 8 KiB steps plan 20-26% of it
+#: (tests/ascend_compile). A GPU keeps a tile in registers and wants bytes in flight: the best of
+#: scripts/bench_postprocess.py --sweep on an H200 (docs/h200_postprocess.md).
 TUNING = {
-    "npu": dict(copy_bytes=8192, ds_rows=64, programs_per_core=8),
-    "gpu": dict(copy_bytes=32768, ds_rows=128, programs_per_core=32),
+    "npu": dict(copy_bytes=8192, ds_rows=64, programs_per_core=8, max_pieces=64, min_piece=8192,
+                pieces_first=False, packed_walk=False, num_warps=None),
+    "gpu": dict(copy_bytes=16384, ds_rows=128, programs_per_core=64, max_pieces=128, min_piece=16384,
+                pieces_first=True, packed_walk=True, num_warps=4),
 }
-MAX_PIECES = 64
+MAX_PIECES = 64  # default_pieces' cap where the caller names none
 
 
 class _Placeholder:
@@ -251,108 +255,142 @@ def _postprocess_kernel(
     SLOW_BYTES: tl.constexpr,
     DS_ROWS: tl.constexpr,
     DS_COLS: tl.constexpr,
+    MIN_PIECE: tl.constexpr,
+    PIECES_FIRST: tl.constexpr,
+    PACKED_WALK: tl.constexpr,
 ):
-    state_idx = tl.program_id(0)
-    piece = tl.program_id(1)
-    pieces = tl.num_programs(1)
+    if PIECES_FIRST:
+        piece = tl.program_id(0)
+        pieces = tl.num_programs(0)
+        state_idx = tl.program_id(1)
+    else:
+        state_idx = tl.program_id(0)
+        piece = tl.program_id(1)
+        pieces = tl.num_programs(1)
     first_row = tl.program_id(2) * REQ_BLOCK
 
-    # -- decisions for REQ_BLOCK batch rows at once (every input read once, nothing written yet)
-    lane = tl.arange(0, REQ_BLOCK)
-    batch = first_row + lane
-    active = batch < num_reqs
-    if HAS_IDX_MAPPING:
-        req = tl.load(idx_mapping_ptr + batch, mask=active, other=-1)
-        active = active & (req >= 0)
-    else:
-        req = batch
-    accepted = tl.load(num_accepted_tokens_ptr + req, mask=active, other=1)
-    src_col = tl.load(mamba_state_idx_ptr + req, mask=active, other=0)
-    if PRECOMPUTED_NEW_COMPUTED:
-        new_computed = tl.load(num_computed_tokens_ptr + req, mask=active, other=0)
-        running = new_computed - accepted + 1
-    else:
-        scheduled = tl.load(num_scheduled_tokens_ptr + req, mask=active, other=0)
-        computed = tl.load(num_computed_tokens_ptr + req, mask=active, other=0)
-        draft = tl.load(num_draft_tokens_ptr + req, mask=active, other=0)
-        running = computed + scheduled - draft
-        new_computed = running + accepted - 1
-    aligned = (new_computed // block_size) * block_size
-    needs = active & (aligned >= running)
-    bias = aligned - running
-    dst_col = aligned // block_size - 1
-    same_col = src_col == dst_col
-
-    if (state_idx == 0) & (piece == 0):
-        ones = tl.full((REQ_BLOCK,), 1, tl.int32)
-        if num_accepted_tokens_out_ptr is None:
-            tl.store(num_accepted_tokens_ptr + req, ones, mask=needs & same_col)
-        else:
-            tl.store(num_accepted_tokens_out_ptr + req, ones, mask=needs & same_col)
-
-    copies = needs & ~(same_col & (bias == 0))
-    n_copies = tl.sum(copies.to(tl.int32), axis=0)
-
-    # -- this program's state: metadata read once, block table cast to a pointer once
+    # -- this program's state first: its metadata (one round of memory latency, together with the
+    # first group's block table address, which a one-group model needs) says how many pieces the
+    # state's largest region fills at MIN_PIECE bytes or more each; the other programs exit here.
     base = tl.load(state_base_addrs_ptr + state_idx).to(tl.int64)
     block_stride = tl.load(state_block_strides_ptr + state_idx).to(tl.int64)
     elem = tl.load(state_elem_sizes_ptr + state_idx).to(tl.int64)
     inner = tl.load(state_inner_sizes_ptr + state_idx).to(tl.int64)
     width = tl.load(state_conv_widths_ptr + state_idx)
-    group = tl.load(state_group_indices_ptr + state_idx).to(tl.int64)
-    table = tl.load(block_table_ptrs_ptr + group).to(tl.pointer_type(tl.int32))
+    group = tl.load(state_group_indices_ptr + state_idx)
+    table_addr = tl.load(block_table_ptrs_ptr).to(tl.int64)
+    temporal = width == 0
     if CONV_STATE_DIM_FIRST:
         dim_rows = tl.load(state_dim_row_count_ptr + state_idx)
         row_stride = tl.load(state_dim_row_stride_ptr + state_idx).to(tl.int64)
-
-    # -- every copying request's region at once: block ids gathered as vectors (one round of
-    # memory latency for the batch, none inside the walk), then per lane the source offset inside
-    # its block and the byte count. nbytes < 0 marks each layout's special region: rows of a
-    # shifted dim-first conv state (DS), or the in-place shift (SD: source block == destination).
-    temporal = width == 0
-    tok = bias.to(tl.int64)
-    rows_at = table + batch.to(tl.int64) * block_table_stride_req
-    dst_block = tl.load(rows_at + dst_col, mask=copies, other=0)
-    src_block = tl.load(rows_at + tl.where(temporal, src_col + bias, src_col), mask=copies, other=0)
-    if CONV_STATE_DIM_FIRST:
-        row_bytes = tl.maximum(width - bias, 0).to(tl.int64) * elem
-        packed = (bias == 0) & (row_bytes == row_stride)  # whole packed rows: one span
-        src_off = tl.where(temporal | packed, 0, tok * elem)
-        nbytes = tl.where(temporal, inner * elem, tl.where(packed, dim_rows * row_stride, -row_bytes))
+        span = tl.where(temporal, inner * elem, dim_rows.to(tl.int64) * row_stride)
     else:
-        src_off = tl.where(temporal, 0, tok * inner * elem)
-        nbytes = tl.where(temporal, inner * elem, tl.maximum(width - bias, 0).to(tl.int64) * inner * elem)
-        in_place = ~temporal & (src_block == dst_block)  # rows left after the shift, as -rows
-        nbytes = tl.where(in_place, tl.where(bias > 0, -tl.maximum(width - bias, 0).to(tl.int64), 0), nbytes)
+        span = tl.where(temporal, 1, width).to(tl.int64) * inner * elem
+    active = tl.minimum(tl.maximum((span + MIN_PIECE - 1) // MIN_PIECE, 1), pieces).to(tl.int32)
+    if piece < active:
+        if group != 0:
+            table_addr = tl.load(block_table_ptrs_ptr + group).to(tl.int64)
+        table = table_addr.to(tl.pointer_type(tl.int32))
 
-    # -- walk the copying requests in order: the next lane above `prev` that copies. Addresses are
-    # built from the reduced int32 block ids (triton-ascend's pointer analysis cannot follow a
-    # reduced int64 address into the pointer cast).
-    prev = state_idx * 0 - 1
-    for _ in range(0, n_copies):
-        cur = tl.min(tl.where(copies & (lane > prev), lane, REQ_BLOCK), axis=0)
-        prev = cur
-        pick = lane == cur
-        s_block = tl.sum(tl.where(pick, src_block, 0), axis=0).to(tl.int64)  # int64 before * stride
-        d_block = tl.sum(tl.where(pick, dst_block, 0), axis=0).to(tl.int64)
-        s = base + s_block * block_stride + tl.sum(tl.where(pick, src_off, 0), axis=0)
-        d = base + d_block * block_stride
-        n = tl.sum(tl.where(pick, nbytes, 0), axis=0)
-        # n >= 0: one region. n < 0, SD: the in-place shift, -n token rows (of inner * elem
-        # bytes) moved up by `tok` rows, front to back; each program moves only its own columns
-        # of every row, and a row is read before it is written, so no program races another.
-        reps = n * 0 + 1
-        step = n * 0
-        if n < 0:
-            if CONV_STATE_DIM_FIRST:
-                _copy_row_span(s, d, dim_rows, row_stride, -n, piece, pieces, DS_ROWS, DS_COLS)
-                reps = n * 0
+        # -- decisions for REQ_BLOCK batch rows at once (every input read once, nothing written yet)
+        lane = tl.arange(0, REQ_BLOCK)
+        batch = first_row + lane
+        active_rows = batch < num_reqs
+        if HAS_IDX_MAPPING:
+            req = tl.load(idx_mapping_ptr + batch, mask=active_rows, other=-1)
+            active_rows = active_rows & (req >= 0)
+        else:
+            req = batch
+        accepted = tl.load(num_accepted_tokens_ptr + req, mask=active_rows, other=1)
+        src_col = tl.load(mamba_state_idx_ptr + req, mask=active_rows, other=0)
+        if PRECOMPUTED_NEW_COMPUTED:
+            new_computed = tl.load(num_computed_tokens_ptr + req, mask=active_rows, other=0)
+            running = new_computed - accepted + 1
+        else:
+            scheduled = tl.load(num_scheduled_tokens_ptr + req, mask=active_rows, other=0)
+            computed = tl.load(num_computed_tokens_ptr + req, mask=active_rows, other=0)
+            draft = tl.load(num_draft_tokens_ptr + req, mask=active_rows, other=0)
+            running = computed + scheduled - draft
+            new_computed = running + accepted - 1
+        aligned = (new_computed // block_size) * block_size
+        needs = active_rows & (aligned >= running)
+        bias = aligned - running
+        dst_col = aligned // block_size - 1
+        same_col = src_col == dst_col
+
+        if (state_idx == 0) & (piece == 0):
+            ones = tl.full((REQ_BLOCK,), 1, tl.int32)
+            if num_accepted_tokens_out_ptr is None:
+                tl.store(num_accepted_tokens_ptr + req, ones, mask=needs & same_col)
             else:
-                reps = -n
-                step = inner * elem
-                n = step
-        for j in range(0, reps):
-            _copy_piece(s + j * step, d + j * step, n, piece, pieces, COPY_BYTES, SLOW_BYTES)
+                tl.store(num_accepted_tokens_out_ptr + req, ones, mask=needs & same_col)
+
+        copies = needs & ~(same_col & (bias == 0))
+
+        # -- every copying request's block ids gathered as vectors (one round of memory latency
+        # for the batch, none inside the walk)
+        rows_at = table + batch.to(tl.int64) * block_table_stride_req
+        dst_block = tl.load(rows_at + dst_col, mask=copies, other=0)
+        src_block = tl.load(rows_at + tl.where(temporal, src_col + bias, src_col), mask=copies, other=0)
+        n_copies = tl.sum(copies.to(tl.int32), axis=0)
+        if PACKED_WALK:
+            # Two reductions per copying request: (lane, source block) as one int64 key whose
+            # minimum is the next lane, then (shift, destination block) of that lane.
+            key = lane.to(tl.int64) * 4294967296 + src_block.to(tl.uint32, bitcast=True).to(tl.int64)
+            val = bias.to(tl.int64) * 4294967296 + dst_block.to(tl.uint32, bitcast=True).to(tl.int64)
+        else:
+            tok_v = bias.to(tl.int64)
+
+        # -- walk the copying requests in order: the next lane above `prev` that copies.
+        # nbytes < 0 marks each layout's special region: rows of a shifted dim-first conv state
+        # (DS), or the in-place shift (SD: source block == destination block).
+        prev = state_idx * 0 - 1
+        for _ in range(0, n_copies):
+            if PACKED_WALK:
+                k = tl.min(tl.where(copies & (lane > prev), key, REQ_BLOCK * 4294967296), axis=0)
+                prev = (k >> 32).to(tl.int32)
+                v = tl.sum(tl.where(lane == prev, val, 0), axis=0)
+                s_block = k.to(tl.int32).to(tl.int64)  # low 32 bits: the block id, sign restored
+                d_block = v.to(tl.int32).to(tl.int64)
+                tok = v >> 32
+            else:
+                # Addresses from reduced int32 block ids (triton-ascend's pointer analysis cannot
+                # follow a reduced int64 address into the pointer cast).
+                cur = tl.min(tl.where(copies & (lane > prev), lane, REQ_BLOCK), axis=0)
+                prev = cur
+                pick = lane == cur
+                s_block = tl.sum(tl.where(pick, src_block, 0), axis=0).to(tl.int64)
+                d_block = tl.sum(tl.where(pick, dst_block, 0), axis=0).to(tl.int64)
+                tok = tl.sum(tl.where(pick, tok_v, 0), axis=0)
+            left = tl.maximum(width - tok.to(tl.int32), 0).to(tl.int64)  # conv tokens kept
+            if CONV_STATE_DIM_FIRST:
+                row_bytes = left * elem
+                packed = (tok == 0) & (row_bytes == row_stride)  # whole packed rows: one span
+                src_off = tl.where(temporal | packed, 0, tok * elem)
+                n = tl.where(temporal, inner * elem, tl.where(packed, dim_rows.to(tl.int64) * row_stride, -row_bytes))
+            else:
+                src_off = tl.where(temporal, 0, tok * inner * elem)
+                n = tl.where(temporal, inner * elem, left * inner * elem)
+                in_place = ~temporal & (s_block == d_block)  # rows left after the shift, as -rows
+                n = tl.where(in_place, tl.where(tok > 0, -left, 0), n)
+            s = base + s_block * block_stride + src_off
+            d = base + d_block * block_stride
+            # n >= 0: one region. n < 0, SD: the in-place shift, -n token rows (of inner * elem
+            # bytes) moved up by `tok` rows, front to back; each program moves only its own
+            # columns of every row, and a row is read before it is written, so no program races
+            # another.
+            reps = n * 0 + 1
+            step = n * 0
+            if n < 0:
+                if CONV_STATE_DIM_FIRST:
+                    _copy_row_span(s, d, dim_rows, row_stride, -n, piece, active, DS_ROWS, DS_COLS)
+                    reps = n * 0
+                else:
+                    reps = -n
+                    step = inner * elem
+                    n = step
+            for j in range(0, reps):
+                _copy_piece(s + j * step, d + j * step, n, piece, active, COPY_BYTES, SLOW_BYTES)
 
 
 _TRITON_FUNCTIONS = (
@@ -410,13 +448,13 @@ def device_cores(device) -> int | None:
     return device_info(device)[1]
 
 
-def default_pieces(cores: int | None, states: int, programs_per_core: int = 32) -> int:
+def default_pieces(cores: int | None, states: int, programs_per_core: int = 32, max_pieces: int = MAX_PIECES) -> int:
     """Enough programs to keep every core busy with one copying request, as a power of two."""
     if not cores:
         return 4
     want = -(-cores * programs_per_core // max(states, 1))
     pieces = 1
-    while pieces < want and pieces < MAX_PIECES:
+    while pieces < want and pieces < max_pieces:
         pieces *= 2
     return pieces
 
@@ -431,6 +469,8 @@ class PostprocessKernel:
     """
 
     arg_names = PARAMS
+    KNOBS = ("pieces", "copy_bytes", "ds_rows", "num_warps", "max_registers", "min_piece", "pieces_first",
+             "packed_walk")
 
     def __init__(
         self,
@@ -440,22 +480,34 @@ class PostprocessKernel:
         ds_rows: int | None = None,
         num_warps: int | None = None,
         max_registers: int | None = None,
+        min_piece: int | None = None,
+        pieces_first: bool | None = None,
+        packed_walk: bool | None = None,
     ):
         if copy_bytes is not None and (copy_bytes < 16 or copy_bytes & (copy_bytes - 1)):
             raise ValueError(f"copy_bytes must be a power of two >= 16, got {copy_bytes}")
         if ds_rows is not None and (ds_rows < 4 or ds_rows & (ds_rows - 1)):
             raise ValueError(f"ds_rows must be a power of two >= 4, got {ds_rows}")
+        if min_piece is not None and min_piece < 1:
+            raise ValueError(f"min_piece must be positive, got {min_piece}")
         self.pieces = pieces
         self.copy_bytes = copy_bytes
         self.ds_rows = ds_rows
         self.num_warps = num_warps
         self.max_registers = max_registers  # GPU only: Triton's maxnreg
+        self.min_piece = min_piece
+        self.pieces_first = pieces_first
+        self.packed_walk = packed_walk
 
     def __repr__(self) -> str:
         return f"<ascend_layerwise_patch postprocess_mamba_fused_kernel (23 params) pieces={self.pieces}>"
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, *args, **kwargs)
+
+    def _knob(self, name, tuning):
+        value = getattr(self, name)
+        return tuning[name] if value is None else value
 
     def launch(self, grid, *args, **kwargs) -> None:
         if len(args) > len(PARAMS):
@@ -478,13 +530,17 @@ class PostprocessKernel:
         kernel = compiled()
         backend, cores = device_info(a["num_accepted_tokens_ptr"].device)
         tuning = TUNING[backend]
-        pieces = self.pieces or default_pieces(cores, states, tuning["programs_per_core"])
-        copy_bytes = self.copy_bytes or tuning["copy_bytes"]
-        ds_rows = self.ds_rows or tuning["ds_rows"]
-        extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
+        pieces = self.pieces or default_pieces(cores, states, tuning["programs_per_core"], tuning["max_pieces"])
+        copy_bytes = self._knob("copy_bytes", tuning)
+        pieces_first = bool(self._knob("pieces_first", tuning))
+        extra = {}
+        num_warps = self._knob("num_warps", tuning)
+        if num_warps:
+            extra["num_warps"] = num_warps
         if self.max_registers and backend == "gpu":
             extra["maxnreg"] = self.max_registers
-        kernel[(states, pieces, -(-rows // REQ_BLOCK))](
+        blocks = -(-rows // REQ_BLOCK)
+        kernel[(pieces, states, blocks) if pieces_first else (states, pieces, blocks)](
             *(a[p] for p in PARAMS[:17]),
             rows,
             block_size=a["block_size"],
@@ -494,7 +550,10 @@ class PostprocessKernel:
             REQ_BLOCK=REQ_BLOCK,
             COPY_BYTES=copy_bytes,
             SLOW_BYTES=max(copy_bytes // 16, 16),
-            DS_ROWS=ds_rows,
+            DS_ROWS=self._knob("ds_rows", tuning),
             DS_COLS=DS_COLS,
+            MIN_PIECE=self._knob("min_piece", tuning),
+            PIECES_FIRST=pieces_first,
+            PACKED_WALK=bool(self._knob("packed_walk", tuning)),
             **extra,
         )
