@@ -323,17 +323,17 @@ OURS = json.loads(os.environ.get("BENCH_OURS") or "{}")
 SWEEP = [
     dict(),
     dict(packed_walk=False),
-    dict(pieces_first=False),
-    dict(min_piece=32768),
-    dict(copy_bytes=8192, min_piece=8192),
-    dict(pieces=64),
-    dict(pieces=64, copy_bytes=32768, min_piece=32768),
-    dict(num_warps=8),
-    dict(num_warps=2, copy_bytes=8192),
-    dict(min_piece=256, pieces=64, copy_bytes=32768, packed_walk=False, pieces_first=False),  # 2026-12-03's
+    dict(pieces_first=True),
+    dict(min_piece=16384),
+    dict(min_piece=65536),
+    dict(pieces=64, min_piece=16384),
+    dict(copy_bytes=32768),
+    dict(ds_min_rows=512),
+    dict(min_piece=16384, pieces_first=True, ds_min_rows=8192),  # the first sweep's best all-copy
+    dict(min_piece=256, ds_min_rows=1, pieces=64, copy_bytes=32768, packed_walk=False),  # 2026-12-03's
 ]
 SHORT = dict(pieces="p", copy_bytes="b", ds_rows="r", num_warps="w", max_registers="m", min_piece="min",
-             pieces_first="pf", packed_walk="pk")
+             ds_min_rows="dsr", pieces_first="pf", packed_walk="pk")
 
 
 def sweep_name(knobs: dict) -> str:
@@ -424,6 +424,10 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         results = {clock: {"plain copy": timer(lambda: dst.copy_(src))} for clock, timer in clocks.items()}
+        if sweep and device.type == "cuda":  # the copy-only ceiling of a Triton kernel
+            copy = triton_copy(torch)
+            for clock, timer in clocks.items():
+                results[clock]["triton copy"] = timer(lambda: copy(src, dst))
         del src, dst
         expected = Expected(cache, step)
         for name, kernel in kernels:
@@ -454,6 +458,25 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         if small:
             print(SMOKE_NOTE)
     return ok
+
+
+def triton_copy(torch):
+    """A plain Triton copy, 16 KiB per program: the ceiling of a Triton kernel's copy."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(src, dst, n, BLOCK: tl.constexpr):
+        offset = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offset < n
+        tl.store(dst + offset, tl.load(src + offset, mask=mask), mask=mask)
+
+    def run(src, dst):
+        s, d = (src.view(torch.int64), dst.view(torch.int64)) if src.numel() % 8 == 0 else (src, dst)
+        block = 16384 // s.element_size()
+        _copy[(triton.cdiv(s.numel(), block),)](s, d, s.numel(), BLOCK=block)
+
+    return run
 
 
 def print_registers(fn):
@@ -522,7 +545,7 @@ def main() -> int:
         import triton
 
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"pieces by default: {ours.default_pieces(ours.device_cores(device), 72)} for 72 states"
+              f"GPU tuning: {ours.TUNING['gpu']}"
               + (f"; ours: {OURS}" if OURS else ""))
     ok = run_check(torch, device, ours, foreign, examples=8 if args.cpu_smoke else args.examples)
     if args.mode == "bench":

@@ -128,9 +128,9 @@ DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 el
 #: scripts/bench_postprocess.py --sweep on an H200 (docs/h200_postprocess.md).
 TUNING = {
     "npu": dict(copy_bytes=8192, ds_rows=64, programs_per_core=8, max_pieces=64, min_piece=8192,
-                pieces_first=False, packed_walk=False, num_warps=None),
-    "gpu": dict(copy_bytes=16384, ds_rows=128, programs_per_core=64, max_pieces=128, min_piece=16384,
-                pieces_first=True, packed_walk=True, num_warps=4),
+                ds_min_rows=64, pieces_first=False, packed_walk=False, num_warps=None),
+    "gpu": dict(copy_bytes=16384, ds_rows=128, programs_per_core=64, max_pieces=128, min_piece=32768,
+                ds_min_rows=128, pieces_first=False, packed_walk=True, num_warps=4),
 }
 MAX_PIECES = 64  # default_pieces' cap where the caller names none
 
@@ -256,6 +256,7 @@ def _postprocess_kernel(
     DS_ROWS: tl.constexpr,
     DS_COLS: tl.constexpr,
     MIN_PIECE: tl.constexpr,
+    DS_MIN_ROWS: tl.constexpr,
     PIECES_FIRST: tl.constexpr,
     PACKED_WALK: tl.constexpr,
 ):
@@ -269,9 +270,9 @@ def _postprocess_kernel(
         pieces = tl.num_programs(1)
     first_row = tl.program_id(2) * REQ_BLOCK
 
-    # -- this program's state first: its metadata (one round of memory latency, together with the
-    # first group's block table address, which a one-group model needs) says how many pieces the
-    # state's largest region fills at MIN_PIECE bytes or more each; the other programs exit here.
+    # -- one round of memory latency for everything that depends on no load: this program's state
+    # (its metadata, and the first group's block table address, which a one-group model needs) and
+    # the decisions for REQ_BLOCK batch rows at once, as vectors
     base = tl.load(state_base_addrs_ptr + state_idx).to(tl.int64)
     block_stride = tl.load(state_block_strides_ptr + state_idx).to(tl.int64)
     elem = tl.load(state_elem_sizes_ptr + state_idx).to(tl.int64)
@@ -279,65 +280,72 @@ def _postprocess_kernel(
     width = tl.load(state_conv_widths_ptr + state_idx)
     group = tl.load(state_group_indices_ptr + state_idx)
     table_addr = tl.load(block_table_ptrs_ptr).to(tl.int64)
-    temporal = width == 0
     if CONV_STATE_DIM_FIRST:
         dim_rows = tl.load(state_dim_row_count_ptr + state_idx)
         row_stride = tl.load(state_dim_row_stride_ptr + state_idx).to(tl.int64)
+
+    lane = tl.arange(0, REQ_BLOCK)
+    batch = first_row + lane
+    active_rows = batch < num_reqs
+    if HAS_IDX_MAPPING:
+        req = tl.load(idx_mapping_ptr + batch, mask=active_rows, other=-1)
+        active_rows = active_rows & (req >= 0)
+    else:
+        req = batch
+    accepted = tl.load(num_accepted_tokens_ptr + req, mask=active_rows, other=1)
+    src_col = tl.load(mamba_state_idx_ptr + req, mask=active_rows, other=0)
+    if PRECOMPUTED_NEW_COMPUTED:
+        new_computed = tl.load(num_computed_tokens_ptr + req, mask=active_rows, other=0)
+        running = new_computed - accepted + 1
+    else:
+        scheduled = tl.load(num_scheduled_tokens_ptr + req, mask=active_rows, other=0)
+        computed = tl.load(num_computed_tokens_ptr + req, mask=active_rows, other=0)
+        draft = tl.load(num_draft_tokens_ptr + req, mask=active_rows, other=0)
+        running = computed + scheduled - draft
+        new_computed = running + accepted - 1
+    aligned = (new_computed // block_size) * block_size
+    needs = active_rows & (aligned >= running)
+    bias = aligned - running
+    dst_col = aligned // block_size - 1
+    same_col = src_col == dst_col
+
+    if (state_idx == 0) & (piece == 0):
+        ones = tl.full((REQ_BLOCK,), 1, tl.int32)
+        if num_accepted_tokens_out_ptr is None:
+            tl.store(num_accepted_tokens_ptr + req, ones, mask=needs & same_col)
+        else:
+            tl.store(num_accepted_tokens_out_ptr + req, ones, mask=needs & same_col)
+
+    copies = needs & ~(same_col & (bias == 0))
+    n_copies = tl.sum(copies.to(tl.int32), axis=0)
+
+    # -- the pieces this state's largest region fills at MIN_PIECE bytes or more each (and, dim
+    # first, DS_MIN_ROWS rows or more): programs past them, and every program of a step where no
+    # request copies, are done here
+    temporal = width == 0
+    if CONV_STATE_DIM_FIRST:
         span = tl.where(temporal, inner * elem, dim_rows.to(tl.int64) * row_stride)
+        fill = tl.where(temporal, 1, (dim_rows + DS_MIN_ROWS - 1) // DS_MIN_ROWS).to(tl.int64)
     else:
         span = tl.where(temporal, 1, width).to(tl.int64) * inner * elem
-    active = tl.minimum(tl.maximum((span + MIN_PIECE - 1) // MIN_PIECE, 1), pieces).to(tl.int32)
-    if piece < active:
+        fill = span * 0 + 1
+    active = tl.minimum(tl.maximum((span + MIN_PIECE - 1) // MIN_PIECE, fill), pieces).to(tl.int32)
+    if (piece < active) & (n_copies > 0):
         if group != 0:
             table_addr = tl.load(block_table_ptrs_ptr + group).to(tl.int64)
         table = table_addr.to(tl.pointer_type(tl.int32))
-
-        # -- decisions for REQ_BLOCK batch rows at once (every input read once, nothing written yet)
-        lane = tl.arange(0, REQ_BLOCK)
-        batch = first_row + lane
-        active_rows = batch < num_reqs
-        if HAS_IDX_MAPPING:
-            req = tl.load(idx_mapping_ptr + batch, mask=active_rows, other=-1)
-            active_rows = active_rows & (req >= 0)
-        else:
-            req = batch
-        accepted = tl.load(num_accepted_tokens_ptr + req, mask=active_rows, other=1)
-        src_col = tl.load(mamba_state_idx_ptr + req, mask=active_rows, other=0)
-        if PRECOMPUTED_NEW_COMPUTED:
-            new_computed = tl.load(num_computed_tokens_ptr + req, mask=active_rows, other=0)
-            running = new_computed - accepted + 1
-        else:
-            scheduled = tl.load(num_scheduled_tokens_ptr + req, mask=active_rows, other=0)
-            computed = tl.load(num_computed_tokens_ptr + req, mask=active_rows, other=0)
-            draft = tl.load(num_draft_tokens_ptr + req, mask=active_rows, other=0)
-            running = computed + scheduled - draft
-            new_computed = running + accepted - 1
-        aligned = (new_computed // block_size) * block_size
-        needs = active_rows & (aligned >= running)
-        bias = aligned - running
-        dst_col = aligned // block_size - 1
-        same_col = src_col == dst_col
-
-        if (state_idx == 0) & (piece == 0):
-            ones = tl.full((REQ_BLOCK,), 1, tl.int32)
-            if num_accepted_tokens_out_ptr is None:
-                tl.store(num_accepted_tokens_ptr + req, ones, mask=needs & same_col)
-            else:
-                tl.store(num_accepted_tokens_out_ptr + req, ones, mask=needs & same_col)
-
-        copies = needs & ~(same_col & (bias == 0))
 
         # -- every copying request's block ids gathered as vectors (one round of memory latency
         # for the batch, none inside the walk)
         rows_at = table + batch.to(tl.int64) * block_table_stride_req
         dst_block = tl.load(rows_at + dst_col, mask=copies, other=0)
         src_block = tl.load(rows_at + tl.where(temporal, src_col + bias, src_col), mask=copies, other=0)
-        n_copies = tl.sum(copies.to(tl.int32), axis=0)
         if PACKED_WALK:
-            # Two reductions per copying request: (lane, source block) as one int64 key whose
-            # minimum is the next lane, then (shift, destination block) of that lane.
-            key = lane.to(tl.int64) * 4294967296 + src_block.to(tl.uint32, bitcast=True).to(tl.int64)
-            val = bias.to(tl.int64) * 4294967296 + dst_block.to(tl.uint32, bitcast=True).to(tl.int64)
+            # Two reductions per copying request: (lane, shift) as one int64 key whose minimum
+            # names the next lane (independent of the gather above, so it can overlap it), then
+            # that lane's (source, destination) block ids as one int64.
+            key = lane.to(tl.int64) * 4294967296 + bias.to(tl.int64)
+            blocks = src_block.to(tl.int64) * 4294967296 + dst_block.to(tl.uint32, bitcast=True).to(tl.int64)
         else:
             tok_v = bias.to(tl.int64)
 
@@ -349,10 +357,10 @@ def _postprocess_kernel(
             if PACKED_WALK:
                 k = tl.min(tl.where(copies & (lane > prev), key, REQ_BLOCK * 4294967296), axis=0)
                 prev = (k >> 32).to(tl.int32)
-                v = tl.sum(tl.where(lane == prev, val, 0), axis=0)
-                s_block = k.to(tl.int32).to(tl.int64)  # low 32 bits: the block id, sign restored
-                d_block = v.to(tl.int32).to(tl.int64)
-                tok = v >> 32
+                tok = k - (k >> 32) * 4294967296
+                v = tl.sum(tl.where(lane == prev, blocks, 0), axis=0)
+                s_block = v >> 32  # the sign of the source id restored by the arithmetic shift
+                d_block = v.to(tl.int32).to(tl.int64)  # low 32 bits
             else:
                 # Addresses from reduced int32 block ids (triton-ascend's pointer analysis cannot
                 # follow a reduced int64 address into the pointer cast).
@@ -469,8 +477,8 @@ class PostprocessKernel:
     """
 
     arg_names = PARAMS
-    KNOBS = ("pieces", "copy_bytes", "ds_rows", "num_warps", "max_registers", "min_piece", "pieces_first",
-             "packed_walk")
+    KNOBS = ("pieces", "copy_bytes", "ds_rows", "num_warps", "max_registers", "min_piece", "ds_min_rows",
+             "pieces_first", "packed_walk")
 
     def __init__(
         self,
@@ -481,6 +489,7 @@ class PostprocessKernel:
         num_warps: int | None = None,
         max_registers: int | None = None,
         min_piece: int | None = None,
+        ds_min_rows: int | None = None,
         pieces_first: bool | None = None,
         packed_walk: bool | None = None,
     ):
@@ -490,12 +499,15 @@ class PostprocessKernel:
             raise ValueError(f"ds_rows must be a power of two >= 4, got {ds_rows}")
         if min_piece is not None and min_piece < 1:
             raise ValueError(f"min_piece must be positive, got {min_piece}")
+        if ds_min_rows is not None and ds_min_rows < 1:
+            raise ValueError(f"ds_min_rows must be positive, got {ds_min_rows}")
         self.pieces = pieces
         self.copy_bytes = copy_bytes
         self.ds_rows = ds_rows
         self.num_warps = num_warps
         self.max_registers = max_registers  # GPU only: Triton's maxnreg
         self.min_piece = min_piece
+        self.ds_min_rows = ds_min_rows
         self.pieces_first = pieces_first
         self.packed_walk = packed_walk
 
@@ -553,6 +565,7 @@ class PostprocessKernel:
             DS_ROWS=self._knob("ds_rows", tuning),
             DS_COLS=DS_COLS,
             MIN_PIECE=self._knob("min_piece", tuning),
+            DS_MIN_ROWS=self._knob("ds_min_rows", tuning),
             PIECES_FIRST=pieces_first,
             PACKED_WALK=bool(self._knob("packed_walk", tuning)),
             **extra,
