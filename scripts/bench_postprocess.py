@@ -321,16 +321,14 @@ OURS = json.loads(os.environ.get("BENCH_OURS") or "{}")
 #: --sweep: knobs of PostprocessKernel, each set timed beside the defaults (a set equal to the
 #: defaults shows the run-to-run spread).
 SWEEP = [
-    dict(),
-    dict(packed_walk=False),
     dict(pieces_first=True),
-    dict(min_piece=16384),
-    dict(min_piece=65536),
-    dict(pieces=64, min_piece=16384),
-    dict(copy_bytes=32768),
-    dict(ds_min_rows=512),
-    dict(min_piece=16384, pieces_first=True, ds_min_rows=8192),  # the first sweep's best all-copy
-    dict(min_piece=256, ds_min_rows=1, pieces=64, copy_bytes=32768, packed_walk=False),  # 2026-12-03's
+    dict(pieces_first=True, max_registers=80),
+    dict(pieces_first=True, max_registers=72),
+    dict(pieces_first=True, max_registers=64),
+    dict(max_registers=72),
+    dict(pieces_first=True, min_piece=16384),
+    dict(pieces_first=True, min_piece=16384, max_registers=72),
+    dict(pieces_first=True, copy_bytes=8192, max_registers=64),
 ]
 SHORT = dict(pieces="p", copy_bytes="b", ds_rows="r", num_warps="w", max_registers="m", min_piece="min",
              ds_min_rows="dsr", pieces_first="pf", packed_walk="pk")
@@ -415,7 +413,7 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
             configs[sweep_name(knobs)] = ours.PostprocessKernel(**knobs)
     kernels = list(configs.items()) + [(k, foreign[k]) for k in ("vllm", "ascend") if foreign.get(k) is not None]
     clocks = timers(torch, device)
-    tables, ok = {clock: [] for clock in clocks}, True
+    tables, ok, launches = {clock: [] for clock in clocks}, True, {}
     for kind, lay, n, copying, bias in cases:
         cache = caches[lay]
         step = case_step(torch, device, cache, n, copying, block_size, bias)
@@ -444,11 +442,15 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
             fn, _ = make_launch(kernel, cache, step, old_signature=old)
             for clock, timer in clocks.items():
                 results[clock][name] = timer(fn)
+            if sweep and device.type == "cuda" and kind.startswith("decode"):
+                launches.setdefault(name, []).append(launch_us(torch, fn))
         del expected
         for clock in clocks:
             tables[clock].append((kind, lay, n, nbytes, results[clock]))
     if sweep:
         print_registers(ours.compiled())
+        for name, us in launches.items():
+            print(f"launch (host time per call, decode cases): {name}: {' / '.join(f'{u:.1f}' for u in us)} us")
     for clock, rows in tables.items():
         how = {"graph": "CUDA-graph replay: GPU time only", "eager": "launches from Python, L2 flushed"}
         print(f"\n### {clock} ({how.get(clock, 'interpreter, wall clock')})")
@@ -458,6 +460,17 @@ def run_bench(torch, device, ours, foreign, *, small: bool, sweep: bool) -> bool
         if small:
             print(SMOKE_NOTE)
     return ok
+
+
+def launch_us(torch, fn, calls=200):
+    """Host time of one launch: ``calls`` launches queued without waiting, then one sync."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def triton_copy(torch):

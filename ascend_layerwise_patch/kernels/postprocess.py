@@ -116,6 +116,10 @@ PARAMS = (
     "PRECOMPUTED_NEW_COMPUTED",
 )
 _DEFAULTS = {"HAS_IDX_MAPPING": False, "PRECOMPUTED_NEW_COMPUTED": False}
+_N_PARAMS = len(PARAMS)
+_INDEX = {name: i for i, name in enumerate(PARAMS)}
+_DEFAULT_AT = tuple((_INDEX[name], value) for name, value in _DEFAULTS.items())
+_MISSING = object()
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
@@ -510,6 +514,7 @@ class PostprocessKernel:
         self.ds_min_rows = ds_min_rows
         self.pieces_first = pieces_first
         self.packed_walk = packed_walk
+        self._cache: dict = {}
 
     def __repr__(self) -> str:
         return f"<ascend_layerwise_patch postprocess_mamba_fused_kernel (23 params) pieces={self.pieces}>"
@@ -521,52 +526,68 @@ class PostprocessKernel:
         value = getattr(self, name)
         return tuning[name] if value is None else value
 
+    def _settings(self, device, states: int):
+        """(pieces, pieces first, the launch's constant keyword arguments) for a device and a
+        number of states, worked out once: a decode step's launch is on the host's critical path."""
+        key = (device, states)
+        found = self._cache.get(key)
+        if found is None:
+            backend, cores = device_info(device)
+            tuning = TUNING[backend]
+            pieces = self.pieces or default_pieces(cores, states, tuning["programs_per_core"], tuning["max_pieces"])
+            copy_bytes = self._knob("copy_bytes", tuning)
+            const = dict(
+                REQ_BLOCK=REQ_BLOCK,
+                COPY_BYTES=copy_bytes,
+                SLOW_BYTES=max(copy_bytes // 16, 16),
+                DS_ROWS=self._knob("ds_rows", tuning),
+                DS_COLS=DS_COLS,
+                MIN_PIECE=self._knob("min_piece", tuning),
+                DS_MIN_ROWS=self._knob("ds_min_rows", tuning),
+                PIECES_FIRST=bool(self._knob("pieces_first", tuning)),
+                PACKED_WALK=bool(self._knob("packed_walk", tuning)),
+            )
+            num_warps = self._knob("num_warps", tuning)
+            if num_warps:
+                const["num_warps"] = num_warps
+            if self.max_registers and backend == "gpu":
+                const["maxnreg"] = self.max_registers
+            found = self._cache[key] = (pieces, const["PIECES_FIRST"], const)
+        return found
+
     def launch(self, grid, *args, **kwargs) -> None:
-        if len(args) > len(PARAMS):
-            raise TypeError(f"postprocess_mamba_fused_kernel takes {len(PARAMS)} parameters, got {len(args)}")
-        a = dict(_DEFAULTS)
-        a.update(zip(PARAMS, args))
+        given = len(args)
+        if given > _N_PARAMS:
+            raise TypeError(f"postprocess_mamba_fused_kernel takes {_N_PARAMS} parameters, got {given}")
+        a = list(args) + [_MISSING] * (_N_PARAMS - given)
         for key, value in kwargs.items():
-            if key not in PARAMS:
+            i = _INDEX.get(key)
+            if i is None:
                 raise TypeError(f"postprocess_mamba_fused_kernel got an unexpected parameter {key!r}")
-            a[key] = value
-        missing = [p for p in PARAMS if p not in a]
-        if missing:
-            raise TypeError(f"postprocess_mamba_fused_kernel is missing {', '.join(missing)}")
+            if i < given:
+                raise TypeError(f"postprocess_mamba_fused_kernel got multiple values for {key!r}")
+            a[i] = value
+        if given + len(kwargs) < _N_PARAMS:
+            for i, value in _DEFAULT_AT:
+                if a[i] is _MISSING:
+                    a[i] = value
+            missing = [p for p, v in zip(PARAMS, a) if v is _MISSING]
+            if missing:
+                raise TypeError(f"postprocess_mamba_fused_kernel is missing {', '.join(missing)}")
         if callable(grid):
-            grid = grid(a)
-        grid = tuple(grid) + (1, 1)
-        rows, states = min(int(grid[0]), int(a["num_reqs"])), int(grid[1])
+            grid = grid(dict(zip(PARAMS, a)))
+        rows, states = min(int(grid[0]), int(a[17])), (int(grid[1]) if len(grid) > 1 else 1)
         if rows <= 0 or states <= 0:
             return
         kernel = compiled()
-        backend, cores = device_info(a["num_accepted_tokens_ptr"].device)
-        tuning = TUNING[backend]
-        pieces = self.pieces or default_pieces(cores, states, tuning["programs_per_core"], tuning["max_pieces"])
-        copy_bytes = self._knob("copy_bytes", tuning)
-        pieces_first = bool(self._knob("pieces_first", tuning))
-        extra = {}
-        num_warps = self._knob("num_warps", tuning)
-        if num_warps:
-            extra["num_warps"] = num_warps
-        if self.max_registers and backend == "gpu":
-            extra["maxnreg"] = self.max_registers
+        pieces, pieces_first, const = self._settings(a[0].device, states)
         blocks = -(-rows // REQ_BLOCK)
         kernel[(pieces, states, blocks) if pieces_first else (states, pieces, blocks)](
-            *(a[p] for p in PARAMS[:17]),
+            *a[:17],
             rows,
-            block_size=a["block_size"],
-            CONV_STATE_DIM_FIRST=bool(a["CONV_STATE_DIM_FIRST"]),
-            HAS_IDX_MAPPING=bool(a["HAS_IDX_MAPPING"]),
-            PRECOMPUTED_NEW_COMPUTED=bool(a["PRECOMPUTED_NEW_COMPUTED"]),
-            REQ_BLOCK=REQ_BLOCK,
-            COPY_BYTES=copy_bytes,
-            SLOW_BYTES=max(copy_bytes // 16, 16),
-            DS_ROWS=self._knob("ds_rows", tuning),
-            DS_COLS=DS_COLS,
-            MIN_PIECE=self._knob("min_piece", tuning),
-            DS_MIN_ROWS=self._knob("ds_min_rows", tuning),
-            PIECES_FIRST=pieces_first,
-            PACKED_WALK=bool(self._knob("packed_walk", tuning)),
-            **extra,
+            block_size=a[18],
+            CONV_STATE_DIM_FIRST=bool(a[20]),
+            HAS_IDX_MAPPING=bool(a[21]),
+            PRECOMPUTED_NEW_COMPUTED=bool(a[22]),
+            **const,
         )
