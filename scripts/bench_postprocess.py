@@ -321,14 +321,11 @@ OURS = json.loads(os.environ.get("BENCH_OURS") or "{}")
 #: --sweep: knobs of PostprocessKernel, each set timed beside the defaults (a set equal to the
 #: defaults shows the run-to-run spread).
 SWEEP = [
-    dict(pieces_first=True),
-    dict(pieces_first=True, max_registers=80),
-    dict(pieces_first=True, max_registers=72),
-    dict(pieces_first=True, max_registers=64),
+    dict(),
     dict(max_registers=72),
-    dict(pieces_first=True, min_piece=16384),
-    dict(pieces_first=True, min_piece=16384, max_registers=72),
-    dict(pieces_first=True, copy_bytes=8192, max_registers=64),
+    dict(min_piece=32768),
+    dict(pieces_first=False),
+    dict(pieces_first=False, min_piece=32768),
 ]
 SHORT = dict(pieces="p", copy_bytes="b", ds_rows="r", num_warps="w", max_registers="m", min_piece="min",
              ds_min_rows="dsr", pieces_first="pf", packed_walk="pk")

@@ -133,8 +133,8 @@ DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 el
 TUNING = {
     "npu": dict(copy_bytes=8192, ds_rows=64, programs_per_core=8, max_pieces=64, min_piece=8192,
                 ds_min_rows=64, pieces_first=False, packed_walk=False, num_warps=None),
-    "gpu": dict(copy_bytes=16384, ds_rows=128, programs_per_core=64, max_pieces=128, min_piece=32768,
-                ds_min_rows=128, pieces_first=False, packed_walk=True, num_warps=4),
+    "gpu": dict(copy_bytes=16384, ds_rows=128, programs_per_core=64, max_pieces=128, min_piece=16384,
+                ds_min_rows=128, pieces_first=True, packed_walk=True, num_warps=4),
 }
 MAX_PIECES = 64  # default_pieces' cap where the caller names none
 
@@ -321,15 +321,17 @@ def _postprocess_kernel(
             tl.store(num_accepted_tokens_out_ptr + req, ones, mask=needs & same_col)
 
     copies = needs & ~(same_col & (bias == 0))
-    n_copies = tl.sum(copies.to(tl.int32), axis=0)
+    # one reduction: the copying requests (low 16 bits) and those of them with a shift
+    counts = tl.sum(copies.to(tl.int32) + (copies & (bias > 0)).to(tl.int32) * 65536, axis=0)
+    n_copies = counts % 65536
 
     # -- the pieces this state's largest region fills at MIN_PIECE bytes or more each (and, dim
-    # first, DS_MIN_ROWS rows or more): programs past them, and every program of a step where no
-    # request copies, are done here
+    # first with a shift, where rows are copied a few bytes each, DS_MIN_ROWS rows or more):
+    # programs past them, and every program of a step where no request copies, are done here
     temporal = width == 0
     if CONV_STATE_DIM_FIRST:
         span = tl.where(temporal, inner * elem, dim_rows.to(tl.int64) * row_stride)
-        fill = tl.where(temporal, 1, (dim_rows + DS_MIN_ROWS - 1) // DS_MIN_ROWS).to(tl.int64)
+        fill = tl.where(temporal | (counts < 65536), 1, (dim_rows + DS_MIN_ROWS - 1) // DS_MIN_ROWS).to(tl.int64)
     else:
         span = tl.where(temporal, 1, width).to(tl.int64) * inner * elem
         fill = span * 0 + 1
