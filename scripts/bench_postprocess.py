@@ -323,9 +323,7 @@ OURS = json.loads(os.environ.get("BENCH_OURS") or "{}")
 SWEEP = [
     dict(),
     dict(max_registers=72),
-    dict(min_piece=32768),
     dict(pieces_first=False),
-    dict(pieces_first=False, min_piece=32768),
 ]
 SHORT = dict(pieces="p", copy_bytes="b", ds_rows="r", num_warps="w", max_registers="m", min_piece="min",
              ds_min_rows="dsr", pieces_first="pf", packed_walk="pk")

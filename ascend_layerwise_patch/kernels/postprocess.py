@@ -182,8 +182,10 @@ def _copy_bytes(src_addr, dst_addr, nbytes, COPY_BYTES: tl.constexpr, SLOW_BYTES
 
 
 def _copy_piece(src_addr, dst_addr, nbytes, piece, pieces, COPY_BYTES: tl.constexpr, SLOW_BYTES: tl.constexpr):
-    """This program's piece of a non-overlapping copy cut into ``pieces`` aligned pieces."""
-    chunk = ((nbytes + pieces - 1) // pieces + 255) // 256 * 256
+    """This program's piece of a non-overlapping copy cut into at most ``pieces`` pieces of whole
+    copy steps (the masked tail, in small steps, comes only at the region's end; pieces past the
+    region copy nothing)."""
+    chunk = ((nbytes + pieces - 1) // pieces + COPY_BYTES - 1) // COPY_BYTES * COPY_BYTES
     lo = piece * chunk
     hi = tl.minimum(nbytes, lo + chunk)
     if lo < hi:
