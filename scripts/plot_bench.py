@@ -8,6 +8,7 @@ device copy of the same bytes (1.0 = copy speed), log scale.
 
 import re
 import sys
+import textwrap
 
 
 def rows(path):
@@ -45,7 +46,7 @@ def main(src, dst):
     ax.set_yscale("log")
     ax.set_ylabel("time / plain copy of the same bytes")
     ax.set_xticks(range(len(data)), labels, fontsize=7)
-    ax.set_title(open(src).readline().strip(), fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(open(src).readline().strip(), 150)), fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)

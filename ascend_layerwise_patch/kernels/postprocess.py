@@ -25,18 +25,24 @@ Copies are byte copies (``memmove`` when source and destination overlap: the SD 
 
 Design, and why it suits triton-ascend as well as a GPU:
 
-* **Grid (states, pieces, request blocks)**, not vLLM's (requests, states). Each program loads the
-  decision inputs of up to ``REQ_BLOCK`` (128) requests as vectors, gathers the source and
-  destination block ids of all of them at once (one round of memory latency for the batch instead
-  of one per request), and then walks only the requests that copy. The grid no longer grows with
-  the batch: 72 states x 64 pieces on an H200 for a Qwen3-Next step of up to 128 requests. An NPU
-  runs a grid in rounds over its few dozen vector cores (triton-ascend's guide sizes grids by the
-  core count): there the piece count comes out at 8 (40 or 48 cores), a small multiple of the cores.
-* **Pieces.** Every (request, state) copy is cut into ``num_programs(1)`` pieces, one per program:
-  a 2 MiB temporal state is copied by 64 programs on an H200 instead of one walking it 1 KiB at a
-  time (the idea of vllm-ascend's later ``TEMPORAL_TILES``). The piece count is chosen at launch
-  from the device's core count (vector cores on an NPU, SMs on a GPU) and is a runtime value, so
-  it never triggers a recompile. Pieces start on 256-byte boundaries so each stays aligned.
+* **Grid (states, pieces, request blocks)**, not vLLM's (requests, states); on a GPU pieces first,
+  (pieces, states, request blocks), so that the programs of one state start together. Each program
+  loads, in one round of memory latency, its state's metadata, the first group's block table
+  address and the decision inputs of up to ``REQ_BLOCK`` (128) requests as vectors; then gathers
+  the source and destination block ids of all of them at once (one more round for the batch
+  instead of one per request), and walks only the requests that copy. The grid no longer grows
+  with the batch: 128 pieces x 72 states on an H200 for a Qwen3-Next step of up to 128 requests.
+  An NPU runs a grid in rounds over its few dozen vector cores (triton-ascend's guide sizes grids
+  by the core count): there the piece count comes out at 8 (40 or 48 cores), a small multiple of
+  the cores.
+* **Pieces.** Every (request, state) copy is cut into up to ``pieces`` pieces of whole copy steps,
+  one per program: a 2 MiB temporal state is copied by 128 programs of 16 KiB on an H200 instead
+  of one walking it 1 KiB at a time (the idea of vllm-ascend's later ``TEMPORAL_TILES``). A piece
+  gets at least ``MIN_PIECE`` bytes of its state's largest region (16 KiB on a GPU: a 96 KiB conv
+  state in 6 pieces), so every program of a state agrees on the count; the programs past it, and
+  all programs of a step where no request copies, stop after the first round of loads. The piece
+  count is chosen at launch from the device's core count (vector cores on an NPU, SMs on a GPU)
+  and is a runtime value, so it never triggers a recompile.
 * **One copy loop.** Every region a request moves (temporal state, SD conv window, packed DS conv
   state, each token row of the in-place shift) goes through the same ``_copy_piece`` call: plain
   ``tl.load``/``tl.store`` of an ``arange`` tile, unmasked 8-byte words when both ends and the
@@ -44,15 +50,18 @@ Design, and why it suits triton-ascend as well as a GPU:
   small steps; unaligned regions (none in vLLM's layouts) go as bytes in small steps. The int64
   address is cast to a pointer once per region, outside the copy loop (triton-ascend's pointer
   analysis rejects a cast inside it, see the negative control in tests/ascend_compile; nor can it
-  follow a reduced int64 address into the cast, so the walk reduces int32 block ids). No inline
-  assembly, no atomics, no CUDA-only intrinsics.
+  follow a reduced int64 address into the cast, so there the walk reduces int32 block ids, five
+  reductions per copying request; on a GPU it packs them into two int64 reductions,
+  ``PACKED_WALK``). No inline assembly, no atomics, no CUDA-only intrinsics.
 * **Tile sizes per backend** (``TUNING``). On an NPU every tile is staged in the vector core's
   192 KiB unified buffer (UB), and bishengir double-buffers it: 8 KiB steps. On a GPU a tile lives
-  in registers and bytes in flight set the bandwidth: 32 KiB steps, 64 pieces on an H200.
+  in registers and bytes in flight set the bandwidth: 16 KiB steps (92-96 registers with 4 warps),
+  up to 128 pieces of at least 16 KiB on an H200, pieces first.
 * **Dim-first conv states** (dim rows of a few bytes each) are copied as 2-D tiles of
   ``DS_ROWS * 4`` elements, rows x 16 bytes (as 4-, 2- or 1-byte elements, whichever the addresses
-  allow), the rows split over the pieces, the shift applied once per row. With no shift and packed
-  rows the state is one contiguous span, copied as such.
+  allow), the rows split over the pieces (at least ``DS_MIN_ROWS`` rows each: with a shift a row
+  moves a few bytes at a time, so they get more pieces than their bytes would), the shift applied
+  once per row. With no shift and packed rows the state is one contiguous span, copied as such.
 * **The in-place shift** (SD conv state, source block == destination block, bias > 0) is the one
   overlapping copy. It moves token row ``j + bias`` to row ``j`` for ``j = 0, 1, ...`` in order;
   each program moves only its own piece (columns) of every row, and a row is read before it is
@@ -64,19 +73,19 @@ Design, and why it suits triton-ascend as well as a GPU:
   that caller races; ``patches/postprocess_kernel.py`` replaces that caller so it passes one.
 * ``COPY_BLOCK_SIZE`` is accepted for the signature and ignored: tiling is this kernel's own.
 
-Measured (2026-12-03). Unified buffer planned by bishengir (triton-ascend 3.2.0, ascendnpu-ir
+Measured (2026-12-04). Unified buffer planned by bishengir (triton-ascend 3.2.0, ascendnpu-ir
 1.2.0) for every launch variant this launcher produces on an NPU (tests/ascend_compile: 48 variants
 per target -- flags, ``None`` arguments, ``num_reqs`` / stride specialisations of vLLM 0.25's V1,
 V2 and spec-decode callers), of 196,608 B; identical on Atlas A2 (Ascend910B3) and A3
 (Ascend910_9392):
 
-    conv dim last (SD), every variant    39,936 - 44,288 B   20.3 - 22.5 %
-    conv dim first (DS), every variant   47,072 - 51,424 B   23.9 - 26.2 %
+    conv dim last (SD), every variant    37,376 - 41,728 B   19.0 - 21.2 %
+    conv dim first (DS), every variant   44,544 - 48,896 B   22.7 - 24.9 %
 
-(the kernel before this layout, with 16 KiB tiles: 185 - 188 KB, 94 - 96 %). On an NVIDIA H200
-(docs/h200_postprocess.md): 89 % of a plain copy's bandwidth for 128 requests all copying (SD and
-DS), 84 % with a 2-token shift in DS, 1.12x / 1.20x a plain copy for a decode step with one
-crossing (SD / DS).
+(the kernel before the NPU layout, with 16 KiB tiles: 185 - 188 KB, 94 - 96 %). On an NVIDIA H200
+(docs/h200_postprocess.md, one run): 90.3 % (SD) and 91.1 % (DS) of a plain copy's bandwidth for
+128 requests all copying, 86 % with a 2-token shift in DS, 1.09x (SD) and 1.08x (DS) a plain
+copy's time for a decode step of 128 requests with one crossing a block.
 
 Importing this module imports neither torch nor triton. The launcher object is what gets
 installed (also in ``check --cpu``, where the NPU stand-ins make real Triton unusable); the Triton
@@ -479,9 +488,10 @@ class PostprocessKernel:
     """Drop-in for ``postprocess_mamba_fused_kernel``: ``kernel[grid](*23 params)`` launches ours.
 
     ``grid`` is the caller's ``(num_reqs, num_layers * num_state_types)``; only its second entry
-    (the number of states) and ``min(grid[0], num_reqs)`` are used. ``pieces``, ``copy_bytes``,
-    ``ds_rows`` and ``num_warps`` are tuning knobs (None: chosen per device / left to Triton);
-    the defaults are the best of a sweep on an H200 (scripts/bench_postprocess.py --sweep).
+    (the number of states) and ``min(grid[0], num_reqs)`` are used. The keyword arguments
+    (``KNOBS``) are tuning knobs; None takes the backend's ``TUNING`` entry (the piece count: from
+    the device's cores). The GPU defaults are the best of a sweep on an H200
+    (scripts/bench_postprocess.py --sweep); none of the knobs changes what is copied.
     """
 
     arg_names = PARAMS

@@ -240,6 +240,12 @@ kernels = st.builds(
     pieces=st.sampled_from([1, 2, 3, 4]),
     copy_bytes=st.sampled_from([16, 64, 256]),
     ds_rows=st.sampled_from([4, 8, 128]),
+    # pieces of at least min_piece bytes / ds_min_rows rows: small values keep several pieces
+    # working on these small states; the GPU default (16 KiB) leaves them to one
+    min_piece=st.sampled_from([16, 64, None]),
+    ds_min_rows=st.sampled_from([1, 2, None]),
+    pieces_first=st.booleans(),
+    packed_walk=st.booleans(),
 )
 
 
@@ -325,8 +331,12 @@ def test_every_shift(dim_first, conv_dtype, in_place):
             step = Step([0], *(torch.tensor([v], dtype=torch.int32) for v in (bias + 1, int(in_place), 8 - bias, 3)))
             assert decide(step, 0, layout.block_size) == (int(in_place), 1, bias)
             expected_pages, expected_out = reference(cache, step)
-            out = launch_direct(PostprocessKernel(pieces=2, copy_bytes=16, ds_rows=4), cache, step, v2=False)
-            assert_same(cache, expected_pages, out, expected_out)
+            for kernel in (PostprocessKernel(pieces=2, copy_bytes=16, ds_rows=4, min_piece=16, ds_min_rows=1),
+                           PostprocessKernel(pieces=3, copy_bytes=16, ds_rows=4, min_piece=16, ds_min_rows=1,
+                                             pieces_first=False, packed_walk=False)):
+                cache = make_cache(layout, rows=1, cols=6, seed=width * 10 + bias)
+                out = launch_direct(kernel, cache, step, v2=False)
+                assert_same(cache, expected_pages, out, expected_out)
 
 
 @pytest.mark.pairs(*WITH_VLLM_CALLERS)
