@@ -50,7 +50,7 @@ Design, and why it suits triton-ascend as well as a GPU:
   small steps; unaligned regions (none in vLLM's layouts) go as bytes in small steps. The int64
   address is cast to a pointer once per region, outside the copy loop (triton-ascend's pointer
   analysis rejects a cast inside it, see the negative control in tests/ascend_compile; nor can it
-  follow a reduced int64 address into the cast, so there the walk reduces int32 block ids, five
+  follow a reduced int64 address into the cast, so there the walk reduces int32 block ids, four
   reductions per copying request; on a GPU it packs them into two int64 reductions,
   ``PACKED_WALK``). No inline assembly, no atomics, no CUDA-only intrinsics.
 * **Tile sizes per backend** (``TUNING``). On an NPU every tile is staged in the vector core's
