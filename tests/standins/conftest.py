@@ -1,7 +1,34 @@
 """Real vLLM + vllm-ascend with the NPU runtime stood in; the library activated before vLLM loads."""
 
+import logging
+
+import pytest
+
 from ascend_layerwise_patch import cpu_standins
 
 cpu_standins.install()
 
 import ascend_layerwise_patch  # noqa: E402,F401  (activates: post-import hooks only)
+
+
+class LogRecords(logging.Handler):
+    """Every record logged through vLLM's logger (vllm-ascend's and this library's are children)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def warnings_naming(self, text: str) -> list[logging.LogRecord]:
+        return [r for r in list(self.records) if r.levelno >= logging.WARNING and text in r.getMessage()]
+
+
+@pytest.fixture
+def vllm_log():
+    handler = LogRecords()
+    log = logging.getLogger("vllm")
+    log.addHandler(handler)
+    yield handler
+    log.removeHandler(handler)

@@ -1273,7 +1273,12 @@ class PoolInstance:
         outputs = []
         for rank in self.ranks:
             self._current_rank = rank
-            outputs.append(rank.execute(copy.deepcopy(so)))  # each worker deserializes its own copy
+            # each worker deserializes its own copy of the scheduler output, and the executor gets a
+            # fresh copy of each worker's output: a rank with nothing to report returns vLLM's
+            # module-global EMPTY_MODEL_RUNNER_OUTPUT (kv_connector_no_forward), on which the
+            # aggregator would set this step's aggregated kv_connector_output -- every later empty
+            # step of every instance in this process would report it again (stale completed events)
+            outputs.append(copy.copy(rank.execute(copy.deepcopy(so))))
         output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
         self.kv_outputs.append(output.kv_connector_output)  # what the scheduler is told, per step
         for req_id, toks in zip(output.req_ids, output.sampled_token_ids):

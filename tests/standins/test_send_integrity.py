@@ -8,7 +8,6 @@ lists every key finished with result 0 while a slot was unwritten (``stale_ready
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 
@@ -114,27 +113,6 @@ def test_counted_in_status(patched):
 
 
 # ------------------------------------------------------------------------------ stuck copies
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def warnings_naming(self, req_id: str) -> list[logging.LogRecord]:
-        return [r for r in self.records if r.levelno >= logging.WARNING and req_id in r.getMessage()]
-
-
-@pytest.fixture
-def vllm_log():
-    handler = _Records()
-    log = logging.getLogger("vllm")  # vLLM's logger (vllm-ascend logs through it) and this library's child
-    log.addHandler(handler)
-    yield handler
-    log.removeHandler(handler)
-
-
 HANG_S = 1.5  # the hung copy (~30 s scaled like save_kv_layer's wait, 10 s -> 30 ms, would be 0.09 s)
 
 

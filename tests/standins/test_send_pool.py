@@ -1,5 +1,6 @@
 """Layerwise sends on the real engine objects: held blocks come back at idle, no pool key is ready
-with an unwritten layer. (The hung-copy tests run on ``Harness``: tests/standins/test_send_integrity.py.)
+with an unwritten layer, a hung copy is reported (real time: save_kv_layer's own 10 s wait).
+(tests/standins/test_send_integrity.py has the hung copy on ``Harness`` too, time scaled, for v0250.)
 
 Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's Scheduler and
 KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the byte-level
@@ -180,6 +181,131 @@ def test_unpatched_raising_layer_publishes_a_gap(unpatched):
     assert s["ready_with_gaps"] > 0 and s["wrong_reads_on_b"] > 0
 
 
+# ------------------------------------------------------------------------------ hung copy
+HANG_S = 27.0  # a copy hung ~30 s (byte_store bounds any gate at 30 s), released afterwards
+REPEAT_S = 12.0  # STUCK_REPEAT_S for the test (60 s by default): one repeat inside the hang
+CONTROL_S = 11.5  # the library-off control: save_kv_layer's 10 s wait + a margin, then released
+
+
+def _hung_copy(inst: PoolInstance, hang_s: float) -> dict:
+    """One request whose save copies hang on a gate; EngineCoreProc's loop runs (real time: the
+    step that starts the copies waits save_kv_layer's own 10 s for the last layer). The gate opens
+    ``hang_s`` after the loop started, from a step if the loop still steps then, else from here.
+    Records, every step after the request finished while the gate is shut, the block pool's free
+    count, the least ref count of the request's blocks and the group's stuck-send counter in
+    ``status()``."""
+    pool = inst.pool
+    fault = pool.add_fault("gate", direction=0)
+    # 48 tokens, whole blocks: prefilled, sampled and finished in the first step (a partial block
+    # would take a second step in mamba align mode, its forward waiting save_kv_layer's 10 s again)
+    inst.add_request("hung", _prompts()["r1"][: 3 * inst.block_size], max_tokens=1)
+    block_pool = inst.scheduler.kv_cache_manager.block_pool
+    rec: dict = {"during": [], "blocks": []}
+    start, wall = time.monotonic(), time.time()
+
+    def on_step(_inst, _so):
+        if fault.gate.is_set():
+            return
+        runner = inst.ranks[0].requests.get("hung")  # the runner keeps it one step after it finished
+        if runner is not None:  # what its sends read: the non-null blocks of its full blocks
+            full = len(runner.prompt_token_ids) // inst.block_size
+            rec["blocks"] = sorted({b for ids in runner.block_ids for b in ids[:full] if b > 0})
+        if time.monotonic() - start >= hang_s:
+            fault.gate.set()
+            rec["released"] = time.monotonic()
+            return
+        if inst.scheduler.has_unfinished_requests():
+            return
+        rec.setdefault("finished", time.monotonic() - start)
+        row = {st.name: st for st in ascend_layerwise_patch.status()}.get("send_integrity_copy")
+        rec["during"].append(
+            (
+                time.monotonic() - start,
+                block_pool.get_num_free_blocks(),
+                min(block_pool.blocks[b].ref_cnt for b in rec["blocks"]),
+                row.counters.get("stuck_sends") if row is not None else None,
+            )
+        )
+        time.sleep(0.005)  # fewer no-forward steps on a shared CI core (the loop itself sleeps 1 ms)
+
+    try:
+        steps = engine_loop(inst, on_step=on_step, max_steps=1_000_000)
+        rec["stopped"] = time.monotonic()
+        cs = inst.scheduler.connector.connector_scheduler
+        rec["at_stop"] = dict(
+            t=round(rec["stopped"] - start, 3),
+            events=dict(cs.sending_events),
+            unfinished=inst.scheduler.has_unfinished_requests(),
+            push_work=inst.scheduler.connector.has_pending_push_work(),
+            oldest_seen=cs.__dict__.get(send_integrity._HEAD),
+            gate_open=fault.gate.is_set(),
+        )
+        if not fault.gate.is_set():  # the loop stopped while the copy hangs: wait the hang out
+            time.sleep(max(0.0, hang_s - (time.monotonic() - start)))
+            rec["released"] = time.monotonic()
+    finally:
+        fault.gate.set()
+    rec.update(steps=steps, start=start, wall=wall, hits=fault.hits)
+    return rec
+
+
+def test_hung_copy_warned_held_released(patched, vllm_log, monkeypatch):
+    """A save copy hung ~30 s on the real engine loop: a WARNING naming the request and how long
+    once save_kv_layer's 10 s wait gave up, repeated at the lower rate while it stays stuck, counted
+    in status(); nothing freed meanwhile; everything back after its release, the loop stops by
+    itself, the late send leaves no key with a gap."""
+    monkeypatch.setattr(send_integrity, "STUCK_REPEAT_S", REPEAT_S)
+    total_before = send_integrity.counters()["stuck_sends_total"]
+    pool = make_pool()
+    inst = PoolInstance(pool)
+    rec = _hung_copy(inst, HANG_S)
+    sched = inst.scheduler
+    block_pool = sched.kv_cache_manager.block_pool
+    warnings = vllm_log.warnings_naming("hung")
+    ours = [r for r in warnings if r.name.startswith("vllm.ascend_layerwise_patch")]
+    during = rec["during"]
+    print(
+        f"\nhung {HANG_S:.0f} s: {rec['steps']} steps, {len(ours)} warnings at "
+        f"{[round(r.created - rec['wall'], 1) for r in ours]} s, loop stopped "
+        f"{rec['stopped'] - rec['released']:.2f} s after the release; first: {ours[0].getMessage() if ours else None}"
+    )
+    assert rec["hits"] >= 1 and rec["blocks"] and rec.get("finished", 1e9) < send_integrity.STUCK_AFTER_S + 1.0, rec["at_stop"]
+    assert rec["stopped"] - rec["released"] >= 0, rec["at_stop"]  # it stepped until the release
+    assert ours, "no WARNING from this library named the stuck request"
+    assert ours[0].created - rec["wall"] < send_integrity.STUCK_AFTER_S + 2.0  # within the wait, real time
+    assert "in flight for" in ours[0].getMessage()
+    assert 2 <= len(ours) <= 3  # at ~10 s and ~22 s: repeated while stuck, at the lower rate
+    gaps = [b.created - a.created for a, b in zip(ours, ours[1:])]
+    assert all(g >= REPEAT_S - 0.5 for g in gaps), gaps
+    # nothing freed while it hangs: the request's blocks keep a reference, the free count stays
+    assert len(during) > 100 and during[-1][0] > HANG_S - 1.0
+    assert {free for _t, free, _ref, _stuck in during} == {during[0][1]}
+    assert min(ref for _t, _free, ref, _stuck in during) > 0
+    assert {stuck for t, _f, _r, stuck in during if t > send_integrity.STUCK_AFTER_S + 2.0} == {1}  # status()
+    assert send_integrity.counters()["stuck_sends_total"] == total_before + 1
+    # released: everything back, the loop stopped by itself, bounded
+    assert not inst.has_work() and rec["stopped"] - rec["released"] < 5.0
+    assert block_pool.num_gpu_blocks - 1 - block_pool.get_num_free_blocks() == 0
+    assert not sched.connector.connector_scheduler.sending_events
+    assert sched.reset_prefix_cache(reset_running_requests=True) is True
+    assert send_integrity.counters()["stuck_sends"] == 0
+    assert _check_pool(pool, inst) > 0 and pool.violations == []  # the late send wrote every slot
+
+
+def test_unpatched_hung_copy_is_silent(unpatched, vllm_log):
+    """The same hung copy with the library off: nothing names it within save_kv_layer's wait and a
+    margin (the loop stops once the request finished; the blocks it reads are freed meanwhile)."""
+    inst = PoolInstance(make_pool())
+    rec = _hung_copy(inst, CONTROL_S)
+    freed = [b for b in rec["blocks"] if inst.scheduler.kv_cache_manager.block_pool.blocks[b].ref_cnt == 0]
+    print(
+        f"\nunpatched, hung {CONTROL_S} s: {rec['steps']} steps, warnings naming it: "
+        f"{len(vllm_log.warnings_naming('hung'))}; blocks it reads free while it hangs: {len(freed)} of {len(rec['blocks'])}"
+    )
+    assert rec["hits"] >= 1 and rec["released"] - rec["start"] >= CONTROL_S
+    assert vllm_log.warnings_naming("hung") == []
+
+
 # ------------------------------------------------------------------------------ randomized soak
 _FAULT = st.sampled_from([None, None, None, "raise", "error", "gate"])
 _ARRIVAL = st.tuples(st.integers(8, 70), st.integers(1, 3), _FAULT, st.booleans())  # len, tokens, fault, once
@@ -258,59 +384,26 @@ def _soak_check(pool, inst: PoolInstance) -> None:
 
 
 # ------------------------------------------------------------------------------ idle, the controls
-_CONTROLS = r"""
-import json, sys, time
-sys.path[:0] = [r"{standins}", r"{tests}"]
-from ascend_layerwise_patch import cpu_standins
-cpu_standins.install()
-import ascend_layerwise_patch
-from harness_pool import PoolInstance, _runtime, engine_loop, make_pool
-_runtime()
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import AscendStoreConnector
+@pytest.fixture
+def without_push_work(patched, monkeypatch):
+    """The lifetime group alone: has_pending_push_work left to vLLM's default."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import AscendStoreConnector
 
-def serve(tag):
-    inst = PoolInstance(make_pool())
-    inst.scale_save_wait()
-    gate = inst.pool.add_fault("gate", direction=0)
-    for i, n in enumerate((40, 56, 23, 70)):
-        inst.add_request(f"r{{i}}", list(range(1000 * (i + 1), 1000 * (i + 1) + n)), max_tokens=3)
-    steps = engine_loop(inst, max_steps=100_000)
-    gate.gate.set()
-    time.sleep(0.2)  # the copies finish; nothing steps the engine any more
-    pool = inst.scheduler.kv_cache_manager.block_pool
-    try:
-        inst.scheduler.reset_prefix_cache(reset_running_requests=True)
-        reset = "ok"
-    except RuntimeError as exc:
-        reset = str(exc)[:40]
-    return dict(steps=steps, held=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
-                open_events=len(inst.scheduler.connector.connector_scheduler.sending_events), reset=reset)
-
-{setup}
-print("RESULT " + json.dumps(serve("x")))
-"""
+    monkeypatch.setattr(AscendStoreConnector, "has_pending_push_work", KVConnectorBase_V1.has_pending_push_work)
 
 
-@pytest.mark.parametrize(
-    "case, setup",
-    [
-        # the lifetime group alone: has_pending_push_work left to vLLM's default
-        ("without has_pending_push_work", "AscendStoreConnector.has_pending_push_work = KVConnectorBase_V1.has_pending_push_work"),
-        ("library off", "ascend_layerwise_patch.revert()"),
-    ],
-)
-def test_idle_controls_pin_blocks(case, setup):
+@pytest.mark.parametrize("case", ["without_push_work", "unpatched"])
+def test_idle_controls_pin_blocks(case, request):
     """The same idle workload (sends outliving their requests) without the change: the loop stops
     with send events open, their blocks pinned, and a cache reset that preempts everything raises.
-    In a fresh interpreter: one engine per process, as in vLLM."""
-    import json
-
-    from support import ROOT, run_python
-
-    code = _CONTROLS.format(standins=ROOT / "tests" / "standins", tests=ROOT / "tests", setup=setup)
-    out = run_python(code, timeout=600).stdout
-    s = json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][-1][7:])
+    (In one process with the other tests: the harness hands the aggregator a copy of each rank's
+    output, so no instance sees another's completed events through vLLM's EMPTY_MODEL_RUNNER_OUTPUT.)"""
+    request.getfixturevalue(case)
+    inst = PoolInstance(make_pool())
+    inst.scale_save_wait()
+    s = _serve(inst, slow_s=SLOW_S)
     print(f"\n{case}: {s}")
     assert s["held"] > 0 and s["open_events"] > 0
-    assert s["reset"].startswith("Failed to reset KV cache")
+    with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+        inst.scheduler.reset_prefix_cache(reset_running_requests=True)
