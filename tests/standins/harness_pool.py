@@ -752,9 +752,10 @@ def _process_of_rank(rank: int, tp: int):
         (pool_worker, "get_decode_context_model_parallel_world_size"): lambda: 1,
         (pool_worker, "get_decode_context_model_parallel_rank"): lambda: 0,
         (memcache_backend, "get_world_group"): lambda: _NS(local_rank=rank),
-        # an A3 node (no A2 bootstrap all-gather over the world group)
-        (memcache_backend, "get_ascend_device_type"): lambda: memcache_backend.AscendDeviceType.A3,
     }
+    if hasattr(memcache_backend, "get_ascend_device_type"):  # vllm-ascend 0.25 (0.26 no longer asks)
+        # an A3 node (no A2 bootstrap all-gather over the world group)
+        values[(memcache_backend, "get_ascend_device_type")] = lambda: memcache_backend.AscendDeviceType.A3
     saved = {k: getattr(k[0], k[1]) for k in values}
     for (mod, name), v in values.items():
         setattr(mod, name, v)
