@@ -70,6 +70,7 @@ GROUP_LAYERS = {ATTN: 1, MAMBA: 3}
 NUM_LAYERS = len(LAYERS)
 TIME_SCALE = 0.003  # save_kv_layer's 10 s wait -> 30 ms
 GATE_LIMIT_S = 20.0  # a slow copy never waits longer than this for its gate (no hung tests)
+STEP_LIMIT_S = 20.0  # PoolInstance.step: a step taking longer fails the test (watchdog)
 GVA_SHIFT = 20
 ADDR_SHIFT = 32
 
@@ -1267,7 +1268,28 @@ class PoolInstance:
         return self.scheduler.has_requests()
 
     def step(self):
-        """``EngineCore.step``: schedule, execute on every rank, aggregate, update. None if idle."""
+        """``EngineCore.step``: schedule, execute on every rank, aggregate, update. None if idle.
+
+        Runs under a watchdog: a step still running after ``STEP_LIMIT_S`` fails the test (its
+        thread is left behind, blocked) instead of hanging the run."""
+        done: dict = {}
+
+        def run():
+            try:
+                done["so"] = self._step()
+            except BaseException as exc:  # handed to the caller's thread
+                done["error"] = exc
+
+        thread = threading.Thread(target=run, name=f"pool-step-{self.name}-{self.steps}", daemon=True)
+        thread.start()
+        thread.join(STEP_LIMIT_S)
+        if thread.is_alive():
+            raise AssertionError(f"instance {self.name}: step {self.steps} still running after {STEP_LIMIT_S} s (hung)")
+        if "error" in done:
+            raise done["error"]
+        return done["so"]
+
+    def _step(self):
         if not self.scheduler.has_requests():
             return None
         so = self.scheduler.schedule()
