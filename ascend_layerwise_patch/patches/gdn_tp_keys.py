@@ -52,8 +52,8 @@ from ._checks import with_risk
 from ._checks import expects as _expects
 from ._checks import source as _source
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "gdn_tp_keys"
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 RISK = "GDN state keyed per KV head: at TP > KV heads, ranks load another rank's GDN slice on a pool hit"
@@ -105,6 +105,9 @@ class _LeaderKeysTaken:
 
     def __delitem__(self, key) -> None:  # mamba_pool_hit's wrapper takes back its placeholders
         del self.cache[key]
+
+    def pop(self, key, *default):  # vllm-ascend 0.26 drops evicted entries (and partial keys)
+        return self.cache.pop(key, *default)
 
 
 class _AsSaver:
@@ -253,7 +256,7 @@ SPECS = (
         "gdn_tp_save",
         "pool_worker:KVPoolWorker._process_save_for_layer_batch",
         make_process_save,
-        _worker_ok(["self", "requests", "layer_id", "group_id", "layer_idx_in_group"], needs=_SAVE_NEEDS),
+        _worker_ok(["self", "requests", "layer_id", "group_id", "layer_idx_in_group"], needs=("self.put_step",)),
     ),
     _spec(
         "gdn_tp_alloc",

@@ -41,8 +41,8 @@ from ..registry import PatchSpec
 from ._checks import param_names as _params
 from .connector_guards import STATE
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
 COLLECT_PARAMS = [
     "copy_bufs",
