@@ -1284,7 +1284,11 @@ class PoolInstance:
         thread.start()
         thread.join(STEP_LIMIT_S)
         if thread.is_alive():
-            raise AssertionError(f"instance {self.name}: step {self.steps} still running after {STEP_LIMIT_S} s (hung)")
+            import sys
+            import traceback
+
+            where = "".join(traceback.format_stack(sys._current_frames().get(thread.ident)))
+            raise AssertionError(f"instance {self.name}: step {self.steps} still running after {STEP_LIMIT_S} s (hung) at\n{where}")
         if "error" in done:
             raise done["error"]
         return done["so"]
