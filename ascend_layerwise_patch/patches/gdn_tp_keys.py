@@ -203,6 +203,12 @@ def _upstream_keys_per_rank(_original) -> str | None:
     return None
 
 
+def _finish_upstream(original) -> str | None:
+    if "write_finish_keys" in _source(original):
+        return "vllm-ascend finishes a step's keys with its last save task on every rank (write_finish_keys)"
+    return _upstream_keys_per_rank(original)
+
+
 def _worker_ok(params, needs=(), globals_=()):
     check = _expects(params, needs=needs, globals_=globals_)
 
@@ -229,7 +235,7 @@ def _scheduler_ok(original) -> str | None:
 
 
 
-def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
+def _spec(name: str, target: str, factory, precondition, fixed_upstream=_upstream_keys_per_rank) -> PatchSpec:
     return PatchSpec(
         name=name,
         group=GROUP,
@@ -239,7 +245,7 @@ def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
         precondition=with_risk(precondition, RISK),
-        fixed_upstream=_upstream_keys_per_rank,
+        fixed_upstream=fixed_upstream,
     )
 
 
@@ -269,6 +275,7 @@ SPECS = (
         "pool_worker:KVPoolWorker._build_shared_save_data",
         make_build_shared,
         _worker_ok(["self"], needs=("layer_save_tasks", "shared_block_data"), globals_=("LayerTransferTask",)),
+        _finish_upstream,
     ),
     _spec(
         "gdn_tp_hit_check",
