@@ -21,7 +21,7 @@ from ascend_layerwise_patch.registry import APPLIED
 
 from support import PAIR
 
-PAIRS = ("v0251",)
+PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
