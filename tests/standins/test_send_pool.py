@@ -29,6 +29,19 @@ from harness_pool import PoolInstance, _runtime, engine_loop, make_pool  # noqa:
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
+#: Pairs whose ``save_kv_layer`` gives up on the step's last layer after 10 s and whose sending
+#: thread survives a failed copy (vllm-ascend 0.25.1rc1): there a send can outlive its step and a
+#: faulty copy can leave a key with an unwritten slot. vllm-ascend 0.26.0rc1 waits without a limit
+#: (a hung copy holds the step) and stops at a failed or raising copy before finishing any key
+#: (send_integrity_copy is skipped there as fixed upstream; test_upstream_026.py shows it).
+SENDS_OUTLIVE_STEPS = ("v0251",)
+#: Idle workloads: (tp, kv heads) and which save copies hang until the requests are done. On v0260
+#: a send outlives its step only on a TP rank that saves nothing at the model's last layer: at TP >
+#: KV heads, rank 1 saves its own GDN keys (gdn_tp_keys) while the attention layer is saved by the
+#: leader, so rank 1's last save_kv_layer does not wait for them.
+IDLE_LAYOUTS = [(1, 2), (2, 2)] if PAIR in SENDS_OUTLIVE_STEPS else [(2, 1)]
+IDLE_GATED = "None" if PAIR in SENDS_OUTLIVE_STEPS else "lambda key: key.endswith('@tp1')"
+
 _SALT = itertools.count(1)
 
 
@@ -44,7 +57,8 @@ def patched():
     reg.revert()
     reg.activate()
     reg.apply_pending()
-    assert {st.state for st in reg.status() if st.group == send_integrity.GROUP} == {APPLIED}
+    ours = [st for st in reg.status() if st.group == send_integrity.GROUP]
+    assert all(st.state == APPLIED or st.reason.startswith("already fixed upstream") for st in ours), ours
     yield
     reg.activate()
 
@@ -58,12 +72,12 @@ def unpatched():
     reg.activate()
 
 
-def _serve(inst: PoolInstance, slow_s: float = 0.0, max_tokens: int = 3) -> dict:
+def _serve(inst: PoolInstance, slow_s: float = 0.0, max_tokens: int = 3, match=None) -> dict:
     """Add the requests and run EngineCoreProc's loop until it stops by itself. With ``slow_s``,
     save copies wait on a gate that opens ``slow_s`` after the last request finished, if the loop
     still steps then (save_kv_layer's wait is scaled to 30 ms): the last sends outlive their
     requests."""
-    gate = inst.pool.add_fault("gate", direction=0) if slow_s else None
+    gate = inst.pool.add_fault("gate", direction=0, match=match) if slow_s else None
     for rid, prompt in _prompts().items():
         inst.add_request(rid, prompt, max_tokens=max_tokens)
     marks: dict = {}
@@ -101,12 +115,12 @@ def _check_pool(pool, inst: PoolInstance) -> int:
 SLOW_S = 0.5
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_idle_engine_returns_every_block(patched, tp):
+@pytest.mark.parametrize("tp, kv_heads", IDLE_LAYOUTS)
+def test_idle_engine_returns_every_block(patched, tp, kv_heads):
     pool = make_pool()
-    inst = PoolInstance(pool, tp=tp, kv_heads=2)
+    inst = PoolInstance(pool, tp=tp, kv_heads=kv_heads)
     inst.scale_save_wait()
-    s = _serve(inst, slow_s=SLOW_S)
+    s = _serve(inst, slow_s=SLOW_S, match=eval(IDLE_GATED))
     print(f"\ntp={tp}: {s}")
     assert not inst.has_work()  # the loop stopped by itself
     assert s["held"] == 0 and s["open_events"] == 0
@@ -163,6 +177,7 @@ def _faulty_save(kind: str, tp: int):
     return pool, after_a
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", ["raise", "error"])
 def test_faulty_layer_never_ready(patched, kind, tp):
@@ -174,6 +189,7 @@ def test_faulty_layer_never_ready(patched, kind, tp):
     assert pool.violations == []
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
 def test_unpatched_raising_layer_publishes_a_gap(unpatched):
     _pool, s = _faulty_save("raise", 1)
     print(f"\nunpatched raise: {s}")
@@ -181,7 +197,8 @@ def test_unpatched_raising_layer_publishes_a_gap(unpatched):
 
 
 # ------------------------------------------------------------------------------ randomized soak
-_FAULT = st.sampled_from([None, None, None, "raise", "error", "gate"])
+# faults only where the engine survives them (on v0260 a failed copy stops it, a hung one holds the step)
+_FAULT = st.sampled_from([None, None, None, *(("raise", "error", "gate") if PAIR in SENDS_OUTLIVE_STEPS else ())])
 _ARRIVAL = st.tuples(st.integers(8, 70), st.integers(1, 3), _FAULT, st.booleans())  # len, tokens, fault, once
 _OP = st.tuples(st.lists(_ARRIVAL, max_size=2), st.one_of(st.none(), st.integers(0, 7)), st.integers(1, 3))
 
@@ -270,9 +287,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import AscendStoreConnector
 
 def serve(tag):
-    inst = PoolInstance(make_pool())
+    inst = PoolInstance(make_pool(), tp={tp}, kv_heads={kv_heads})
     inst.scale_save_wait()
-    gate = inst.pool.add_fault("gate", direction=0)
+    gate = inst.pool.add_fault("gate", direction=0, match={gated})
     for i, n in enumerate((40, 56, 23, 70)):
         inst.add_request(f"r{{i}}", list(range(1000 * (i + 1), 1000 * (i + 1) + n)), max_tokens=3)
     steps = engine_loop(inst, max_steps=100_000)
@@ -308,7 +325,10 @@ def test_idle_controls_pin_blocks(case, setup):
 
     from support import ROOT, run_python
 
-    code = _CONTROLS.format(standins=ROOT / "tests" / "standins", tests=ROOT / "tests", setup=setup)
+    tp, kv_heads = IDLE_LAYOUTS[0]
+    code = _CONTROLS.format(
+        standins=ROOT / "tests" / "standins", tests=ROOT / "tests", setup=setup, gated=IDLE_GATED, tp=tp, kv_heads=kv_heads
+    )
     out = run_python(code, timeout=600).stdout
     s = json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][-1][7:])
     print(f"\n{case}: {s}")
