@@ -4,8 +4,12 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
          pool_worker.KVPoolWorker._make_layerwise_gva_key, ._process_save_for_layer_batch,
          ._alloc_gvas_for_save, ._build_shared_save_data                        (worker half)
          pool_scheduler.KVPoolScheduler._make_layerwise_gva_keys_for_hit_check   (scheduler half)
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). vllm-ascend 0.26.0rc1
-         still has the same code.
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). vllm-ascend 0.26.0rc1
+         still keys, saves and hit-checks per KV head. There its ``_process_save_for_layer_batch`` only
+         builds tasks (allocation moved to ``_alloc_gvas_for_save``, which also drops cached keys
+         MemCache no longer has: the leader-keys view supports ``pop``), and keys are finished with
+         the step's last save task on every rank (``write_finish_keys``), so ``gdn_tp_finish`` is
+         skipped there as fixed upstream.
 Why      When tensor parallel exceeds the model's KV heads (Qwen3-Next: 2 KV heads, TP 4 or 8),
          ``KVPoolWorker`` sets ``put_step = tp_size // num_kv_heads`` and keys every layerwise GVA
          blob by ``head_or_tp_rank = tp_rank // put_step``; only ranks with

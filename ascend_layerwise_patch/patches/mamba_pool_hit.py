@@ -2,8 +2,10 @@
 
 Target   vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler._get_layerwise_gva_hit_tokens
          (the scheduler's hit check over MemCache keys); vllm_ascend...ascend_store.pool_worker:
-         KVPoolWorker._alloc_gvas_for_save (which keys a layerwise save publishes).
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26.
+         KVPoolWorker._alloc_gvas_for_save (which keys a layerwise save publishes) and, on vllm-ascend
+         0.26 only, KVPoolWorker._prepare_load_gvas (member ``mamba_pool_null_loads``).
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (``mamba_pool_null_loads``: vllm-ascend
+         >=0.26.0,<0.27). vllm-ascend 0.26.0rc1's hit check and save are unchanged (same defects).
 Why      Two hit boundaries where no saved state exists, both read by GDN as if it did:
          (c1) a prompt wholly in the pool whose length is a multiple of the block size: the hit
          check returns the whole prompt and ``get_num_new_matched_tokens`` subtracts one TOKEN, so
@@ -25,6 +27,19 @@ How      For a scheduler with mamba groups the hit check is: full-attention grou
          a real state for that block publishes it. Models without mamba groups: upstream, unchanged.
          Keys written by older processes (null blocks included) are still read; only blocks whose
          key exists count, so those states keep the old risk until the pool is refreshed.
+vllm-ascend 0.26
+         Its ``_alloc_gvas_for_save`` first asks MemCache (``batch_is_exist``) about every cached key
+         and drops those it lacks -- the placeholders above included -- so during the call the
+         worker's client answers the placeholders as present. Its ``_prepare_load_gvas`` looks up
+         every block of the load range in every group, the mamba group's null blocks included (a
+         request resuming at block k holds null blocks below k), and raises for a hybrid request
+         when one is missing ("Layerwise multi-group KV load failed"): with null blocks never
+         published, every pool hit would stop the engine. ``mamba_pool_null_loads`` answers the
+         keys of this step's null mamba blocks as present (found, leased) during the call and then
+         zeroes their GVAs and drops them from the request's lease keys; null blocks of align-state
+         groups are skipped by the layer batch builder anyway, so nothing is copied for them. A key
+         another request of the step needs for a real block is looked up as usual. vllm-ascend
+         0.25.1rc1 logs the missing key and loads nothing for it, so the member is not needed there.
 Removal  When vllm-ascend's hit check knows mamba groups (detected: the group skips itself when
          ``_get_layerwise_gva_hit_tokens`` mentions mamba).
 """

@@ -8,7 +8,13 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
          and, through the ``mamba_lifetime`` wrappers of the same group, KVPoolWorker.start_load_kv,
          .save_kv_layer, .build_connector_worker_meta and both layer sending threads'
          ``_handle_request`` (one group: the two modules patch the same send path).
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases)
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). On vllm-ascend 0.26.0rc1
+         ``send_integrity_copy`` is skipped as fixed upstream (its sending thread stops at a failed or
+         raising save copy before any key is finished, and the worker raises), and the stuck-copy
+         WARNING cannot fire (``save_kv_layer`` waits for the step's last layer without a limit, so
+         no step runs while a copy hangs). ``send_integrity_own_arrays`` and
+         ``send_integrity_idle_steps`` apply: a rank that saves nothing at the last layer (at TP > KV
+         heads with ``gdn_tp_keys``) does not wait for its own sends, which then outlive the step.
 Why      1. With MemCache's GVA path a pool key is one object holding every layer slot of one
             rank's block; the layer sending thread publishes it (``batch_write_finish`` with 0)
             after the final layer, however its other layers went: a layer whose copy raised, or
