@@ -207,9 +207,13 @@ def library_off():
     reg.activate()
 
 
-def test_library_off_reads_wrong_states(library_off):
+def test_library_off_reads_wrong_states(library_off, monkeypatch):
     """The proof the scenarios can fail: vllm-ascend 0.25.1rc1 as released reads wrong states in
     every (a)/(b)/(c) scenario, and the controls are right either way."""
+    import harness_pool
+
+    if PAIR == "v0260":  # its waits have no time limit: a step is fast or hung, never 10 s per layer
+        monkeypatch.setattr(harness_pool, "STEP_LIMIT_S", 15.0)
     table = {name: _or_hung(name) for name in SCENARIOS}
     print("\nlibrary off: scenario -> (wrong GDN reads, wrong attention blocks, first-step start)")
     for name, row in table.items():
