@@ -1,7 +1,7 @@
 """Layerwise sends on the real engine objects: held blocks come back at idle, no pool key is ready
 with an unwritten layer. (The hung-copy tests run on ``Harness``: tests/standins/test_send_integrity.py.)
 
-Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's Scheduler and
+Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's / 0.26.0's Scheduler and
 KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the byte-level
 MemCache of byte_store) and ``engine_loop`` (steps only while ``has_work()``, as EngineCoreProc).
 """
