@@ -38,7 +38,8 @@ imports nothing heavy at import time (factories import their targets' neighbours
    How:     rows whose source a layerwise load writes this step are uploaded once and copied per
             layer (same batch-copy kernel) between the layer's wait and its first state read;
             every other row keeps upstream's bulk copy. Same group as gdn_layerwise: both or none.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1 / 0.26.0rc1 (upstream reworked it on its V2 runner later).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 / 0.26.0rc1 (applies on both; upstream reworked it on
+            its V2 runner later).
    Remove:  when vllm-ascend's runner no longer pre-copies in bulk (detected: the group then skips).
 
 ** mamba_local_hit ** (``mamba_local_hit.py``)
@@ -48,16 +49,21 @@ imports nothing heavy at import time (factories import their targets' neighbours
             instance every local prefix hit starts GDN from the null block.
    How:     for the block pool the AscendStore pool scheduler is bound to, the joint hit over all
             groups (vLLM's own local path); P/D connectors keep upstream's skip.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1. Not needed on vLLM 0.26.0 / vllm-ascend 0.26.0rc1
+            (out of range there): local hits read the right state without it, although the
+            coordinator still skips mamba groups (where 0.26 adds the cached block: not pinned).
    Remove:  when the coordinator no longer skips mamba groups (detected: the group then skips).
 
 ** mamba_pool_hit ** (``mamba_pool_hit.py``)
-   Target:  KVPoolScheduler._get_layerwise_gva_hit_tokens; KVPoolWorker._alloc_gvas_for_save.
+   Target:  KVPoolScheduler._get_layerwise_gva_hit_tokens; KVPoolWorker._alloc_gvas_for_save;
+            KVPoolWorker._prepare_load_gvas (``mamba_pool_null_loads``, vllm-ascend 0.26 only).
    Why:     a whole-prompt pool hit ends one token short of a block boundary, and the layerwise save
             publishes mamba null blocks under real keys: GDN starts from states nobody saved.
    How:     hybrid hits end at the last block boundary below the prompt end at which every mamba
-            group's key is ready (0 if none); null mamba blocks are never allocated a key.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+            group's key is ready (0 if none); null mamba blocks are never allocated a key. On 0.26,
+            whose load looks up every block of the range and stops the engine on a missing key, the
+            null mamba blocks' lookups are answered as present and their GVAs zeroed (never copied).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
    Remove:  when the hit check knows mamba groups (detected: the group then skips).
 
 ** mamba_lifetime ** (``mamba_lifetime.py``)
@@ -100,7 +106,11 @@ imports nothing heavy at import time (factories import their targets' neighbours
             stepping (no model run) while a send event is open (bounded by IDLE_STEP_LIMIT_S
             without progress); a copy in flight longer than save_kv_layer's wait is logged as a
             WARNING (rate-limited) and counted in status() (``counters``).
-   Upstream: not fixed in vllm-ascend 0.25.1rc1.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1. vllm-ascend 0.26.0rc1 stops its sending thread at a
+            failed or raising save copy before any key is finished: send_integrity_copy is skipped
+            there as fixed upstream; own_arrays and idle_steps apply (a rank that saves nothing at
+            the last layer does not wait for its sends); the stuck-copy WARNING cannot fire there
+            (save_kv_layer waits for the last layer without a limit).
    Remove:  with the lifetime group; has_pending_push_work skips itself once AscendStoreConnector
             defines it.
 
@@ -136,7 +146,8 @@ imports nothing heavy at import time (factories import their targets' neighbours
             leader's groups alone), an empty final-layer save task finishes a non-leader's keys,
             and a block is a hit only when all tp_size rank keys are ready. Full-attention keys
             unchanged; old GDN keys are never asked for (misses).
-   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1 (0.26.0rc1 finishes a step's keys with
+            its last save task on every rank: gdn_tp_finish is skipped there as fixed upstream).
    Remove:  when _make_layerwise_gva_key reads group_uses_align_state (detected: the group skips).
 
 ** load_failures ** (``load_failures.py``)
@@ -152,7 +163,8 @@ imports nothing heavy at import time (factories import their targets' neighbours
             step's remaining loads and clears stale load events once the thread is idle; the
             scheduler rolls a hybrid request back to the longest prefix every group (mamba state
             included) can resume from. Recommended policy: kv_load_failure_policy=recompute.
-   Upstream: not fixed in vLLM 0.25.1 / vllm-ascend 0.25.1rc1 (0.26.0rc1 raises on a failed load).
+   Upstream: not fixed in vLLM 0.25.1 / vllm-ascend 0.25.1rc1. Out of range on 0.26: vllm-ascend
+            0.26.0rc1 stops the engine on a failed hybrid load by design (no silent wrong tokens).
    Remove:  when both halves are fixed upstream (each detected: those specs skip themselves).
 
 ** load_failures_policy ** (``load_failures.py``, its own group)

@@ -4,8 +4,12 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
          pool_worker.KVPoolWorker._make_layerwise_gva_key, ._process_save_for_layer_batch,
          ._alloc_gvas_for_save, ._build_shared_save_data                        (worker half)
          pool_scheduler.KVPoolScheduler._make_layerwise_gva_keys_for_hit_check   (scheduler half)
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). vllm-ascend 0.26.0rc1
-         still has the same code.
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). vllm-ascend 0.26.0rc1
+         still keys, saves and hit-checks per KV head. There its ``_process_save_for_layer_batch`` only
+         builds tasks (allocation moved to ``_alloc_gvas_for_save``, which also drops cached keys
+         MemCache no longer has: the leader-keys view supports ``pop``), and keys are finished with
+         the step's last save task on every rank (``write_finish_keys``), so ``gdn_tp_finish`` is
+         skipped there as fixed upstream.
 Why      When tensor parallel exceeds the model's KV heads (Qwen3-Next: 2 KV heads, TP 4 or 8),
          ``KVPoolWorker`` sets ``put_step = tp_size // num_kv_heads`` and keys every layerwise GVA
          blob by ``head_or_tp_rank = tp_rank // put_step``; only ranks with
@@ -52,8 +56,8 @@ from ._checks import with_risk
 from ._checks import expects as _expects
 from ._checks import source as _source
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "gdn_tp_keys"
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 RISK = "GDN state keyed per KV head: at TP > KV heads, ranks load another rank's GDN slice on a pool hit"
@@ -105,6 +109,9 @@ class _LeaderKeysTaken:
 
     def __delitem__(self, key) -> None:  # mamba_pool_hit's wrapper takes back its placeholders
         del self.cache[key]
+
+    def pop(self, key, *default):  # vllm-ascend 0.26 drops evicted entries (and partial keys)
+        return self.cache.pop(key, *default)
 
 
 class _AsSaver:
@@ -200,6 +207,12 @@ def _upstream_keys_per_rank(_original) -> str | None:
     return None
 
 
+def _finish_upstream(original) -> str | None:
+    if "write_finish_keys" in _source(original):
+        return "vllm-ascend finishes a step's keys with its last save task on every rank (write_finish_keys)"
+    return _upstream_keys_per_rank(original)
+
+
 def _worker_ok(params, needs=(), globals_=()):
     check = _expects(params, needs=needs, globals_=globals_)
 
@@ -226,7 +239,7 @@ def _scheduler_ok(original) -> str | None:
 
 
 
-def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
+def _spec(name: str, target: str, factory, precondition, fixed_upstream=_upstream_keys_per_rank) -> PatchSpec:
     return PatchSpec(
         name=name,
         group=GROUP,
@@ -236,7 +249,7 @@ def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
         precondition=with_risk(precondition, RISK),
-        fixed_upstream=_upstream_keys_per_rank,
+        fixed_upstream=fixed_upstream,
     )
 
 
@@ -253,7 +266,7 @@ SPECS = (
         "gdn_tp_save",
         "pool_worker:KVPoolWorker._process_save_for_layer_batch",
         make_process_save,
-        _worker_ok(["self", "requests", "layer_id", "group_id", "layer_idx_in_group"], needs=_SAVE_NEEDS),
+        _worker_ok(["self", "requests", "layer_id", "group_id", "layer_idx_in_group"], needs=("self.put_step",)),
     ),
     _spec(
         "gdn_tp_alloc",
@@ -266,6 +279,7 @@ SPECS = (
         "pool_worker:KVPoolWorker._build_shared_save_data",
         make_build_shared,
         _worker_ok(["self"], needs=("layer_save_tasks", "shared_block_data"), globals_=("LayerTransferTask",)),
+        _finish_upstream,
     ),
     _spec(
         "gdn_tp_hit_check",

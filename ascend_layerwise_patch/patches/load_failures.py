@@ -10,8 +10,12 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker:
          vllm_ascend.platform:NPUPlatform._validate_kv_load_failure_policy   (own group,
          ``load_failures_policy``: the platform is imported while vLLM's own modules are still
          initialising, long before the others can be resolved)
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). vllm-ascend 0.26.0rc1
-         raises on a failed layerwise load instead (upstream's fail-fast: the engine stops).
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). Not widened to 0.26:
+         vllm-ascend 0.26.0rc1 stops the engine on a failed hybrid load by design (the receiving
+         thread stops at a failed or raising copy and the worker raises; ``_prepare_load_gvas``
+         raises for a hybrid request with a missing key), so there is no silent wrong-token path
+         to report; turning that fail-fast back into a recompute would replace upstream's choice,
+         not fix a defect.
 Why      In the layerwise receiving thread a ``batch_copy`` that returns an error is logged and the
          layer's finished event is set anyway; one that raises leaves the event unset (the run
          loop swallows the exception), so the layer waits 10 s; ``wait_for_layer_load`` then logs

@@ -4,7 +4,12 @@ Target   vllm_ascend.patch.platform.patch_kv_cache_coordinator:
          AscendHybridKVCacheCoordinator.find_longest_cache_hit_per_group; and
          vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.bind_gpu_block_pool (to know
          which scheduler's block pool the pool connector serves).
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26.
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26. Not needed on vLLM 0.26.0 / vllm-ascend
+         0.26.0rc1: local hits with the pool connector read the right state there without it (pool
+         harness, test_gdn_prefix_hits.py). The coordinator still skips mamba groups in
+         ``find_longest_cache_hit_per_group``, yet the request's mamba block table comes out as
+         [null, cached state, running] (0.25: [null, null, running]); where vLLM 0.26's KV cache
+         manager adds the cached block is not pinned.
 Why      With a KV connector and mamba layers, vLLM 0.25's ``Scheduler.schedule`` takes the local
          hit from ``coordinator.find_longest_cache_hit_per_group`` and uses the longest group's
          length. vllm-ascend's process-wide coordinator skips every ``MambaSpec`` group there

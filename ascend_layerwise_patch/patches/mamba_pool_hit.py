@@ -2,8 +2,10 @@
 
 Target   vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler._get_layerwise_gva_hit_tokens
          (the scheduler's hit check over MemCache keys); vllm_ascend...ascend_store.pool_worker:
-         KVPoolWorker._alloc_gvas_for_save (which keys a layerwise save publishes).
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26.
+         KVPoolWorker._alloc_gvas_for_save (which keys a layerwise save publishes) and, on vllm-ascend
+         0.26 only, KVPoolWorker._prepare_load_gvas (member ``mamba_pool_null_loads``).
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (``mamba_pool_null_loads``: vllm-ascend
+         >=0.26.0,<0.27). vllm-ascend 0.26.0rc1's hit check and save are unchanged (same defects).
 Why      Two hit boundaries where no saved state exists, both read by GDN as if it did:
          (c1) a prompt wholly in the pool whose length is a multiple of the block size: the hit
          check returns the whole prompt and ``get_num_new_matched_tokens`` subtracts one TOKEN, so
@@ -25,6 +27,19 @@ How      For a scheduler with mamba groups the hit check is: full-attention grou
          a real state for that block publishes it. Models without mamba groups: upstream, unchanged.
          Keys written by older processes (null blocks included) are still read; only blocks whose
          key exists count, so those states keep the old risk until the pool is refreshed.
+vllm-ascend 0.26
+         Its ``_alloc_gvas_for_save`` first asks MemCache (``batch_is_exist``) about every cached key
+         and drops those it lacks -- the placeholders above included -- so during the call the
+         worker's client answers the placeholders as present. Its ``_prepare_load_gvas`` looks up
+         every block of the load range in every group, the mamba group's null blocks included (a
+         request resuming at block k holds null blocks below k), and raises for a hybrid request
+         when one is missing ("Layerwise multi-group KV load failed"): with null blocks never
+         published, every pool hit would stop the engine. ``mamba_pool_null_loads`` answers the
+         keys of this step's null mamba blocks as present (found, leased) during the call and then
+         zeroes their GVAs and drops them from the request's lease keys; null blocks of align-state
+         groups are skipped by the layer batch builder anyway, so nothing is copied for them. A key
+         another request of the step needs for a real block is looked up as usual. vllm-ascend
+         0.25.1rc1 logs the missing key and loads nothing for it, so the member is not needed there.
 Removal  When vllm-ascend's hit check knows mamba groups (detected: the group skips itself when
          ``_get_layerwise_gva_hit_tokens`` mentions mamba).
 """
@@ -36,10 +51,11 @@ import importlib
 import math
 
 from ..registry import PatchSpec
+from ._checks import expects, source
 from ._checks import param_names as _params
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 POOL = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
 
@@ -122,6 +138,60 @@ def state_aligned_hit(original):
     return _get_layerwise_gva_hit_tokens
 
 
+class _KeyInfo:
+    """What ``batch_get_key_info`` answers for a key shown as present (its GVA is zeroed after)."""
+
+    def size(self) -> int:
+        return 1
+
+    def gva_list(self) -> list[int]:
+        return [_SHOWN_GVA]
+
+
+_SHOWN_GVA = 1  # any positive GVA: upstream takes it as found, the wrapper zeroes it right after
+
+
+class _NullKeysPresent:
+    """The worker's MemCache client as one call sees it: the keys of mamba null blocks are present
+    (exists, found, leased); every other key is asked of the real client, in one call as before."""
+
+    def __init__(self, store, keys: set[str]):
+        self._store, self._keys = store, keys
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def _answer(self, keys, present, ask, *args):
+        others = [k for k in keys if k not in self._keys]
+        answers = list(ask(others, *args)) if others else []
+        if len(answers) != len(others):
+            return answers  # the client's own malformed answer: upstream's length check sees it
+        it = iter(answers)
+        return [present if k in self._keys else next(it) for k in keys]
+
+    def batch_is_exist(self, keys):  # vllm-ascend 0.26's _refresh_allocated_gvas
+        return self._answer(keys, 1, self._store.batch_is_exist)
+
+    def batch_get_key_info(self, keys):
+        return self._answer(keys, _KeyInfo(), self._store.batch_get_key_info)
+
+    def batch_add_lease(self, keys, *args):
+        return self._answer(keys, 0, self._store.batch_add_lease, *args)
+
+
+def _with_store(worker, keys: set[str], call):
+    """Run ``call()`` with ``worker.m_store`` seeing ``keys`` as present (the layer threads keep
+    their own reference to the real client)."""
+    if not keys:
+        return call()
+    store = worker.m_store
+    worker.m_store = _NullKeysPresent(store, keys)
+    try:
+        return call()
+    finally:
+        worker.m_store = store
+
+
 def no_null_mamba_keys(original):
     """``_alloc_gvas_for_save`` that never publishes a mamba group's null block under a real key."""
     module = importlib.import_module(f"{POOL}.pool_worker")
@@ -146,14 +216,70 @@ def no_null_mamba_keys(original):
                         if key not in self._allocated_gvas:
                             self._allocated_gvas[key] = 0  # "present, GVA 0": no alloc, no key, no copy
                             shown.append(key)
-        try:
-            return original(self, requests)
+        try:  # vllm-ascend 0.26 first drops cached keys MemCache no longer has: keep the placeholders
+            return _with_store(self, set(shown), lambda: original(self, requests))
         finally:
             for key in shown:
                 if self._allocated_gvas.get(key) == 0:
                     del self._allocated_gvas[key]
 
     return _alloc_gvas_for_save
+
+
+def null_loads_present(original):
+    """``_prepare_load_gvas`` that does not look up a mamba group's null blocks: they are never
+    loaded (the layer batch builder skips null blocks of align-state groups), and, never
+    published (``mamba_pool_no_null_keys``), they would read as a failed load."""
+    module = importlib.import_module(f"{POOL}.pool_worker")
+
+    @functools.wraps(original)
+    def _prepare_load_gvas(self, requests):
+        align = [g for g, on in enumerate(getattr(self, "group_uses_align_state", None) or ()) if on]
+        if not align or not getattr(self, "use_gva_layerwise", False):
+            return original(self, requests)
+        null: set[str] = set()
+        real: set[str] = set()
+        loading = [r for r in requests if r.load_spec is not None and r.load_spec.can_load and r.block_ids_by_group_np is not None]
+        for request in loading:
+            for g in align:
+                if g >= len(request.block_ids_by_group_np):
+                    continue
+                ids = request.block_ids_by_group_np[g]
+                blocks = module.get_block_hashes(request.block_hashes, self._get_effective_group_block_size(g), self.hash_block_size)
+                for i in range(min(len(ids), len(blocks))):
+                    key = self._make_layerwise_gva_key(g, module.block_hash_to_str(blocks[i]))
+                    (null if int(ids[i]) == NULL_BLOCK_ID else real).add(key)
+        null -= real  # a key another request loads into a real block is looked up as usual
+        result = _with_store(self, null, lambda: original(self, requests))
+        if null:
+            for request in loading:
+                gvas = getattr(request, "load_block_gvas_by_group_np", None) or ()
+                for g in align:
+                    if g < len(gvas) and g < len(request.block_ids_by_group_np):
+                        n = min(len(gvas[g]), len(request.block_ids_by_group_np[g]))
+                        gvas[g][:n][request.block_ids_by_group_np[g][:n] == NULL_BLOCK_ID] = 0
+                if getattr(request, "load_keys", None):
+                    request.load_keys = [k for k in request.load_keys if k not in null]
+        return result
+
+    return _prepare_load_gvas
+
+
+def _loads_precondition(original) -> str | None:
+    problem = expects(["self", "requests"], needs=("_make_layerwise_gva_key", "batch_get_key_info", "batch_add_lease"))(original)
+    if problem:
+        return problem
+    fields = getattr(importlib.import_module(f"{POOL}.config_data").ReqMeta, "__annotations__", {})
+    missing = {"load_keys", "load_block_gvas_by_group_np", "block_ids_by_group_np"} - set(fields)
+    if missing:
+        return f"ReqMeta lost {sorted(missing)}"
+    return None
+
+
+def _loads_fixed(original) -> str | None:
+    if "group_uses_align_state" in source(original) or "skip_null" in source(original):
+        return "the layerwise load already leaves mamba null blocks out of its lookups"
+    return None
 
 
 SPECS = (
@@ -177,5 +303,16 @@ SPECS = (
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
         precondition=_alloc_precondition,
+    ),
+    PatchSpec(
+        name="mamba_pool_null_loads",
+        group="mamba_pool_hit",
+        target=f"{POOL}.pool_worker:KVPoolWorker._prepare_load_gvas",
+        factory=null_loads_present,
+        why="a layerwise load does not look up mamba null blocks (never published; 0.26 stops on a missing key)",
+        vllm=VLLM,
+        vllm_ascend=">=0.26.0,<0.27",  # vllm-ascend 0.25.1rc1 logs a missing key and loads nothing for it
+        precondition=_loads_precondition,
+        fixed_upstream=_loads_fixed,
     ),
 )

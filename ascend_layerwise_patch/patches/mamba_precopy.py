@@ -3,7 +3,8 @@
 Target   vllm.v1.worker.mamba_utils: collect_mamba_copy_meta (records which request / layer each
          copy row belongs to) and do_mamba_copy_block (splits the rows); the GDN layer entry of
          ``gdn_layerwise`` applies a layer's deferred rows. Same group as ``gdn_layerwise``.
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26.
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. vllm-ascend 0.26.0rc1's execute_model still
+         calls ``do_mamba_copy_block`` right after ``maybe_get_kv_connector_output`` (same defect).
 Why      ``NPUModelRunner.execute_model`` collects the pre-copy rows with
          ``mamba_utils.preprocess_mamba`` (vllm-ascend's version: source block
          ``(num_computed - 1) // block_size`` -> destination ``cdiv(num_computed + scheduled,
@@ -41,8 +42,8 @@ from ..registry import PatchSpec
 from ._checks import param_names as _params
 from .connector_guards import STATE
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
 COLLECT_PARAMS = [
     "copy_bufs",

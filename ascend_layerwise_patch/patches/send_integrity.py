@@ -8,7 +8,13 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store:
          and, through the ``mamba_lifetime`` wrappers of the same group, KVPoolWorker.start_load_kv,
          .save_kv_layer, .build_connector_worker_meta and both layer sending threads'
          ``_handle_request`` (one group: the two modules patch the same send path).
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases)
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). On vllm-ascend 0.26.0rc1
+         ``send_integrity_copy`` is skipped as fixed upstream (its sending thread stops at a failed or
+         raising save copy before any key is finished, and the worker raises), and the stuck-copy
+         WARNING cannot fire (``save_kv_layer`` waits for the step's last layer without a limit, so
+         no step runs while a copy hangs). ``send_integrity_own_arrays`` and
+         ``send_integrity_idle_steps`` apply: a rank that saves nothing at the last layer (at TP > KV
+         heads with ``gdn_tp_keys``) does not wait for its own sends, which then outlive the step.
 Why      1. With MemCache's GVA path a pool key is one object holding every layer slot of one
             rank's block; the layer sending thread publishes it (``batch_write_finish`` with 0)
             after the final layer, however its other layers went: a layer whose copy raised, or
@@ -53,16 +59,17 @@ Removal  When vllm-ascend finishes layerwise keys only after every slot was writ
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 import weakref
 
-from ..registry import PatchSpec, logger
+from ..registry import MARKER, PatchSpec, logger
 from ._checks import source as _source
 from ._checks import with_risk
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "mamba_lifetime"  # same group as mamba_lifetime.py: one send path, all or nothing
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 
@@ -208,10 +215,16 @@ def handle(thread, tasks, original):
     try:
         return original(thread, tasks)
     except Exception:
-        ledger.raised(thread)
+        if _copies_tracked(thread):  # else (vllm-ascend 0.26) a raise ends the thread, nothing finished
+            ledger.raised(thread)
         raise
     finally:
         ledger.end()
+
+
+def _copies_tracked(thread) -> bool:
+    """Whether ``send_integrity_copy`` is installed on this thread's class (skipped where fixed upstream)."""
+    return getattr(getattr(type(thread), "_batch_copy_with_limits", None), MARKER, None) == "send_integrity_copy"
 
 
 def check_stuck(worker, now: float | None = None) -> None:
@@ -302,6 +315,18 @@ def _copy_ok(original) -> str | None:
     return None
 
 
+def _copy_fails_fast(_original) -> str | None:
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import kv_transfer
+
+    handle_src = _source(vars(kv_transfer.KVCacheStoreLayerSendingThread)["_handle_request"])
+    if re.search(r"if res != 0:\s*raise ", handle_src):
+        return (
+            "vllm-ascend's layer sending thread stops at a failed or raising save copy before any key "
+            "is finished (its worker then raises)"
+        )
+    return None
+
+
 def _shared_ok(original) -> str | None:
     import inspect
 
@@ -345,6 +370,7 @@ SPECS = (
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
         precondition=with_risk(_copy_ok, "pool keys with unwritten layers can be published as ready"),
+        fixed_upstream=_copy_fails_fast,
         counters=counters,
     ),
     PatchSpec(

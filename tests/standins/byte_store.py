@@ -127,6 +127,14 @@ class PoolService:
             self.blobs.clear()
             self._by_index.clear()
 
+    def evict(self, match) -> list[str]:
+        """Forget every key for which ``match(key)`` holds (as MemCache evicts); returns them."""
+        with self.lock:
+            gone = [k for k in self.blobs if match(k)]
+            for key in gone:
+                self._by_index.pop(self.blobs.pop(key).gva >> GVA_SHIFT, None)
+        return gone
+
     def ready_keys(self) -> list[str]:
         with self.lock:
             return [k for k, b in self.blobs.items() if b.state == "ready"]

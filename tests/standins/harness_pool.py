@@ -70,6 +70,9 @@ GROUP_LAYERS = {ATTN: 1, MAMBA: 3}
 NUM_LAYERS = len(LAYERS)
 TIME_SCALE = 0.003  # save_kv_layer's 10 s wait -> 30 ms
 GATE_LIMIT_S = 20.0  # a slow copy never waits longer than this for its gate (no hung tests)
+#: PoolInstance.step: a step taking longer fails the test (watchdog). vllm-ascend 0.25.1rc1 may wait
+#: 10 s for each layer whose load never comes (unpatched runs), so a legitimate step can take 20 s+.
+STEP_LIMIT_S = 60.0
 GVA_SHIFT = 20
 ADDR_SHIFT = 32
 
@@ -752,9 +755,10 @@ def _process_of_rank(rank: int, tp: int):
         (pool_worker, "get_decode_context_model_parallel_world_size"): lambda: 1,
         (pool_worker, "get_decode_context_model_parallel_rank"): lambda: 0,
         (memcache_backend, "get_world_group"): lambda: _NS(local_rank=rank),
-        # an A3 node (no A2 bootstrap all-gather over the world group)
-        (memcache_backend, "get_ascend_device_type"): lambda: memcache_backend.AscendDeviceType.A3,
     }
+    if hasattr(memcache_backend, "get_ascend_device_type"):  # vllm-ascend 0.25 (0.26 no longer asks)
+        # an A3 node (no A2 bootstrap all-gather over the world group)
+        values[(memcache_backend, "get_ascend_device_type")] = lambda: memcache_backend.AscendDeviceType.A3
     saved = {k: getattr(k[0], k[1]) for k in values}
     for (mod, name), v in values.items():
         setattr(mod, name, v)
@@ -1266,7 +1270,32 @@ class PoolInstance:
         return self.scheduler.has_requests()
 
     def step(self):
-        """``EngineCore.step``: schedule, execute on every rank, aggregate, update. None if idle."""
+        """``EngineCore.step``: schedule, execute on every rank, aggregate, update. None if idle.
+
+        Runs under a watchdog: a step still running after ``STEP_LIMIT_S`` fails the test (its
+        thread is left behind, blocked) instead of hanging the run."""
+        done: dict = {}
+
+        def run():
+            try:
+                done["so"] = self._step()
+            except BaseException as exc:  # handed to the caller's thread
+                done["error"] = exc
+
+        thread = threading.Thread(target=run, name=f"pool-step-{self.name}-{self.steps}", daemon=True)
+        thread.start()
+        thread.join(STEP_LIMIT_S)
+        if thread.is_alive():
+            import sys
+            import traceback
+
+            where = "".join(traceback.format_stack(sys._current_frames().get(thread.ident)))
+            raise AssertionError(f"instance {self.name}: step {self.steps} still running after {STEP_LIMIT_S} s (hung) at\n{where}")
+        if "error" in done:
+            raise done["error"]
+        return done["so"]
+
+    def _step(self):
         if not self.scheduler.has_requests():
             return None
         so = self.scheduler.schedule()

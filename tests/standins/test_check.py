@@ -120,6 +120,16 @@ def test_check_json_records_every_place_with_its_state():
 
         widened = [s.name for m in (connector_guards, gdn_layerwise, mamba_lifetime) for s in m.SPECS]
         assert {states[n] for n in [*widened, "postprocess_v2_out_buffer"]} == {"applied"}, states
+        # issue 15: the pool-correctness groups where their defects persist on 0.26
+        from ascend_layerwise_patch.patches import gdn_tp_keys, load_failures, mamba_local_hit, mamba_pool_hit, mamba_precopy
+
+        fixed = {"send_integrity_copy", "gdn_tp_finish"}
+        pool = [s.name for m in (mamba_precopy, mamba_pool_hit, gdn_tp_keys) for s in m.SPECS if s.name not in fixed]
+        assert {states[n] for n in [*pool, "send_integrity_own_arrays", "send_integrity_idle_steps"]} == {"applied"}, states
+        for name in fixed:
+            assert patches[name]["state"] == "skipped" and patches[name]["reason"].startswith("already fixed upstream"), patches[name]
+        for spec in (*mamba_local_hit.SPECS, *load_failures.SPECS):
+            assert patches[spec.name]["state"] == "skipped" and "version out of range" in patches[spec.name]["reason"]
     else:
         assert set(states.values()) == {"skipped"}
 

@@ -20,7 +20,7 @@ from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR
 
-PAIRS = ("v0251",)
+PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
@@ -40,8 +40,12 @@ def _set(on: bool) -> None:
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     reg.activate(environ=dict(os.environ) if on else {**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": gdn_tp_keys.GROUP})
-    states = {st.state for st in reg.status() if st.name in _NAMES}
-    assert states == ({APPLIED} if on else {SKIPPED}), reg.status()
+    ours = [st for st in reg.status() if st.name in _NAMES]
+    if on:  # gdn_tp_finish is skipped as fixed upstream on vllm-ascend 0.26.0rc1
+        assert all(st.state == APPLIED or st.reason.startswith("already fixed upstream") for st in ours), reg.status()
+        assert {st.name for st in ours if st.state == APPLIED} >= _NAMES - {"gdn_tp_finish"}, reg.status()
+    else:
+        assert {st.state for st in ours} == {SKIPPED}, reg.status()
 
 
 @pytest.fixture
@@ -154,15 +158,20 @@ def test_old_gdn_keys_count_as_misses(library):
 
 
 def test_a_block_hits_only_when_every_rank_key_is_ready(library):
-    """Rank 1's GDN saves fail: no block is a hit for B (no rank loads a partial set of slices)."""
+    """Rank 1's GDN saves fail (on v0260: are evicted, since a failed save copy stops vllm-ascend
+    0.26.0rc1's engine): no block is a hit for B (no rank loads a partial set of slices)."""
     library(True)
     from byte_store import L2G
 
     pool = make_pool()
-    pool.add_fault("error", direction=L2G, match=lambda key: key.endswith("@tp1"))
+    rank1 = lambda key: key.endswith("@tp1")  # noqa: E731
+    if PAIR != "v0260":
+        pool.add_fault("error", direction=L2G, match=rank1)
     a = PoolInstance(pool, name="A", tp=2, kv_heads=1)
     a.add_request("a", PROMPT, max_tokens=1)
     engine_loop(a)
+    if PAIR == "v0260":
+        assert pool.evict(rank1)
     ready = pool.ready_keys()
     assert ready and not [k for k in ready if k.endswith("@tp1")]
     start = len(pool.copy_log)

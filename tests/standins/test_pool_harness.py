@@ -1,6 +1,6 @@
 """Smoke test of the pool harness (tests/standins/harness_pool.py, the ``PoolInstance`` part).
 
-Real vLLM 0.25.1 Scheduler / KVCacheManager (align mode) + vllm-ascend's AscendStore connector
+Real vLLM 0.25.1 / 0.26.0 Scheduler / KVCacheManager (align mode) + vllm-ascend's AscendStore connector
 halves from KVConnectorFactory + real layer threads, over the byte-level MemCache stand-in.
 """
 
@@ -10,7 +10,7 @@ import pytest
 
 from support import PAIR
 
-PAIRS = ("v0251",)
+PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
@@ -80,7 +80,8 @@ def test_local_prefix_hit_without_a_connector():
 
 
 def test_tensor_parallel_ranks_and_faults():
-    """TP=2 (one KV head): two worker halves in one process; an injected load error is seen."""
+    """TP=2 (one KV head): two worker halves in one process; an injected load error is seen (on
+    v0260 as upstream's fail-fast error)."""
     pool = make_pool()
     a = PoolInstance(pool, name="A", tp=2, kv_heads=1)
     a.add_request("a", PROMPT, max_tokens=1)
@@ -98,6 +99,11 @@ def test_tensor_parallel_ranks_and_faults():
     fault = pool.add_fault("error", direction=1, times=1)
     b = PoolInstance(pool, name="B", tp=2, kv_heads=1)
     b.add_request("b", PROMPT[:32] + [7, 8, 9, 10, 11], max_tokens=1)
+    if PAIR == "v0260":  # vllm-ascend 0.26.0rc1 fails fast: the receiving thread stops, the worker raises
+        with pytest.raises(RuntimeError, match="KVCacheStoreLayerRecvingThread failed"):
+            engine_loop(b)
+        assert fault.hits == 1
+        return
     engine_loop(b)
     assert fault.hits == 1
     assert [res for direction, _keys, res in pool.copy_log if direction == 1].count(-1) == 1

@@ -2,7 +2,7 @@
 with an unwritten layer, a hung copy is reported (real time: save_kv_layer's own 10 s wait).
 (tests/standins/test_send_integrity.py has the hung copy on ``Harness`` too, time scaled, for v0250.)
 
-Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's Scheduler and
+Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's / 0.26.0's Scheduler and
 KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the byte-level
 MemCache of byte_store) and ``engine_loop`` (steps only while ``has_work()``, as EngineCoreProc).
 """
@@ -22,13 +22,26 @@ from ascend_layerwise_patch.registry import APPLIED
 
 from support import PAIR
 
-PAIRS = ("v0251",)
+PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 from harness_pool import PoolInstance, _runtime, engine_loop, make_pool  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
+
+#: Pairs whose ``save_kv_layer`` gives up on the step's last layer after 10 s and whose sending
+#: thread survives a failed copy (vllm-ascend 0.25.1rc1): there a send can outlive its step and a
+#: faulty copy can leave a key with an unwritten slot. vllm-ascend 0.26.0rc1 waits without a limit
+#: (a hung copy holds the step) and stops at a failed or raising copy before finishing any key
+#: (send_integrity_copy is skipped there as fixed upstream; test_upstream_026.py shows it).
+SENDS_OUTLIVE_STEPS = ("v0251",)
+#: Idle workloads: (tp, kv heads) and which save copies hang until the requests are done. On v0260
+#: a send outlives its step only on a TP rank that saves nothing at the model's last layer: at TP >
+#: KV heads, rank 1 saves its own GDN keys (gdn_tp_keys) while the attention layer is saved by the
+#: leader, so rank 1's last save_kv_layer does not wait for them.
+IDLE_LAYOUTS = [(1, 2), (2, 2)] if PAIR in SENDS_OUTLIVE_STEPS else [(2, 1)]
+IDLE_GATED = "None" if PAIR in SENDS_OUTLIVE_STEPS else "lambda key: key.endswith('@tp1')"
 
 _SALT = itertools.count(1)
 
@@ -45,7 +58,8 @@ def patched():
     reg.revert()
     reg.activate()
     reg.apply_pending()
-    assert {st.state for st in reg.status() if st.group == send_integrity.GROUP} == {APPLIED}
+    ours = [st for st in reg.status() if st.group == send_integrity.GROUP]
+    assert all(st.state == APPLIED or st.reason.startswith("already fixed upstream") for st in ours), ours
     yield
     reg.activate()
 
@@ -59,12 +73,12 @@ def unpatched():
     reg.activate()
 
 
-def _serve(inst: PoolInstance, slow_s: float = 0.0, max_tokens: int = 3) -> dict:
+def _serve(inst: PoolInstance, slow_s: float = 0.0, max_tokens: int = 3, match=None) -> dict:
     """Add the requests and run EngineCoreProc's loop until it stops by itself. With ``slow_s``,
     save copies wait on a gate that opens ``slow_s`` after the last request finished, if the loop
     still steps then (save_kv_layer's wait is scaled to 30 ms): the last sends outlive their
     requests."""
-    gate = inst.pool.add_fault("gate", direction=0) if slow_s else None
+    gate = inst.pool.add_fault("gate", direction=0, match=match) if slow_s else None
     for rid, prompt in _prompts().items():
         inst.add_request(rid, prompt, max_tokens=max_tokens)
     marks: dict = {}
@@ -102,12 +116,12 @@ def _check_pool(pool, inst: PoolInstance) -> int:
 SLOW_S = 0.5
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_idle_engine_returns_every_block(patched, tp):
+@pytest.mark.parametrize("tp, kv_heads", IDLE_LAYOUTS)
+def test_idle_engine_returns_every_block(patched, tp, kv_heads):
     pool = make_pool()
-    inst = PoolInstance(pool, tp=tp, kv_heads=2)
+    inst = PoolInstance(pool, tp=tp, kv_heads=kv_heads)
     inst.scale_save_wait()
-    s = _serve(inst, slow_s=SLOW_S)
+    s = _serve(inst, slow_s=SLOW_S, match=eval(IDLE_GATED))
     print(f"\ntp={tp}: {s}")
     assert not inst.has_work()  # the loop stopped by itself
     assert s["held"] == 0 and s["open_events"] == 0
@@ -164,6 +178,7 @@ def _faulty_save(kind: str, tp: int):
     return pool, after_a
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", ["raise", "error"])
 def test_faulty_layer_never_ready(patched, kind, tp):
@@ -175,6 +190,7 @@ def test_faulty_layer_never_ready(patched, kind, tp):
     assert pool.violations == []
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
 def test_unpatched_raising_layer_publishes_a_gap(unpatched):
     _pool, s = _faulty_save("raise", 1)
     print(f"\nunpatched raise: {s}")
@@ -249,6 +265,7 @@ def _hung_copy(inst: PoolInstance, hang_s: float) -> dict:
     return rec
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)  # 0.26's save_kv_layer waits without a limit: a hung copy holds the step
 def test_hung_copy_warned_held_released(patched, vllm_log, monkeypatch):
     """A save copy hung ~30 s on the real engine loop: a WARNING naming the request and how long
     once save_kv_layer's 10 s wait gave up, repeated at the lower rate while it stays stuck, counted
@@ -292,6 +309,7 @@ def test_hung_copy_warned_held_released(patched, vllm_log, monkeypatch):
     assert _check_pool(pool, inst) > 0 and pool.violations == []  # the late send wrote every slot
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)  # 0.26's save_kv_layer waits without a limit: a hung copy holds the step
 def test_unpatched_hung_copy_is_silent(unpatched, vllm_log):
     """The same hung copy with the library off: nothing names it within save_kv_layer's wait and a
     margin (the loop stops once the request finished; the blocks it reads are freed meanwhile)."""
@@ -307,7 +325,8 @@ def test_unpatched_hung_copy_is_silent(unpatched, vllm_log):
 
 
 # ------------------------------------------------------------------------------ randomized soak
-_FAULT = st.sampled_from([None, None, None, "raise", "error", "gate"])
+# faults only where the engine survives them (on v0260 a failed copy stops it, a hung one holds the step)
+_FAULT = st.sampled_from([None, None, None, *(("raise", "error", "gate") if PAIR in SENDS_OUTLIVE_STEPS else ())])
 _ARRIVAL = st.tuples(st.integers(8, 70), st.integers(1, 3), _FAULT, st.booleans())  # len, tokens, fault, once
 _OP = st.tuples(st.lists(_ARRIVAL, max_size=2), st.one_of(st.none(), st.integers(0, 7)), st.integers(1, 3))
 
@@ -400,9 +419,10 @@ def test_idle_controls_pin_blocks(case, request):
     (In one process with the other tests: the harness hands the aggregator a copy of each rank's
     output, so no instance sees another's completed events through vLLM's EMPTY_MODEL_RUNNER_OUTPUT.)"""
     request.getfixturevalue(case)
-    inst = PoolInstance(make_pool())
+    tp, kv_heads = IDLE_LAYOUTS[0]
+    inst = PoolInstance(make_pool(), tp=tp, kv_heads=kv_heads)
     inst.scale_save_wait()
-    s = _serve(inst, slow_s=SLOW_S)
+    s = _serve(inst, slow_s=SLOW_S, match=eval(IDLE_GATED))
     print(f"\n{case}: {s}")
     assert s["held"] > 0 and s["open_events"] > 0
     with pytest.raises(RuntimeError, match="Failed to reset KV cache"):

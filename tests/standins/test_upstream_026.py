@@ -1,5 +1,6 @@
-"""What vLLM 0.26.0 / vllm-ascend 0.26.0rc1 already do about issue 11 (the library is out of range
-there; these are the detectors that decide what would apply if the range were widened)."""
+"""What vLLM 0.26.0 / vllm-ascend 0.26.0rc1 already do themselves: the detectors that decide which
+members are skipped there as fixed upstream or kept out of range, and the upstream behaviour behind
+those decisions."""
 
 from __future__ import annotations
 
@@ -32,3 +33,28 @@ def test_scheduler_half_still_needed():
 def test_gdn_keys_still_per_kv_head():
     """vllm-ascend 0.26.0rc1 still keys layerwise GDN state per KV head: gdn_tp_keys is still needed."""
     assert gdn_tp_keys._upstream_keys_per_rank(None) is None
+
+
+@pytest.mark.parametrize("kind", ["raise", "fail"])
+def test_failed_save_copy_finishes_no_key(kind):
+    """send_integrity_copy is skipped here as fixed upstream: a save copy that raises or fails
+    stops 0.26.0rc1's layer sending thread before any key is finished, and the worker raises (the
+    engine stops) -- no key is ever ready with an unwritten layer slot."""
+    import ascend_layerwise_patch
+    from harness_pool import Harness
+
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    try:
+        h = Harness(tp=1, num_blocks=64, chunk=8)
+        try:
+            h.add("r0", 12, 0, kind, layers=frozenset([1]))
+            with pytest.raises(RuntimeError, match="KVCacheStoreLayerSendingThread failed"):
+                for _ in range(5):
+                    h.step()
+        finally:
+            h.close()
+    finally:
+        reg.activate()
+    assert h.backend.copies > 0
+    assert h.backend.stale_ready == [] and not [k for k, res in h.backend.finished.items() if res == 0]
