@@ -192,30 +192,43 @@ def _with_store(worker, keys: set[str], call):
         worker.m_store = store
 
 
+def _align_groups(worker) -> list[int]:
+    """The align-state (mamba) groups of a layerwise GVA worker; none otherwise."""
+    if not getattr(worker, "use_gva_layerwise", False):
+        return []
+    return [g for g, on in enumerate(getattr(worker, "group_uses_align_state", None) or ()) if on]
+
+
+def _align_blocks(worker, module, request, align):
+    """(group, block id, block hash) for each block of ``request`` in the ``align`` groups."""
+    for g in align:
+        if g >= len(request.block_ids_by_group_np):
+            continue
+        ids = request.block_ids_by_group_np[g]
+        hashes = module.get_block_hashes(request.block_hashes, worker._get_effective_group_block_size(g), worker.hash_block_size)
+        for i in range(min(len(ids), len(hashes))):
+            yield g, int(ids[i]), hashes[i]
+
+
 def no_null_mamba_keys(original):
     """``_alloc_gvas_for_save`` that never publishes a mamba group's null block under a real key."""
     module = importlib.import_module(f"{POOL}.pool_worker")
 
     @functools.wraps(original)
     def _alloc_gvas_for_save(self, requests):
-        align = [g for g, on in enumerate(getattr(self, "group_uses_align_state", None) or ()) if on]
-        if not align or not getattr(self, "use_gva_layerwise", False):
+        align = _align_groups(self)
+        if not align:
             return original(self, requests)
         shown: list[str] = []
         for request in requests:
             if not request.can_save or not request.block_hashes or request.block_ids_by_group_np is None:
                 continue
-            for g in align:
-                if g >= len(request.block_ids_by_group_np):
-                    continue
-                ids = request.block_ids_by_group_np[g]
-                blocks = module.get_block_hashes(request.block_hashes, self._get_effective_group_block_size(g), self.hash_block_size)
-                for i in range(min(len(ids), len(blocks))):
-                    if int(ids[i]) == NULL_BLOCK_ID:
-                        key = self._make_layerwise_gva_key(g, module.block_hash_to_str(blocks[i]))
-                        if key not in self._allocated_gvas:
-                            self._allocated_gvas[key] = 0  # "present, GVA 0": no alloc, no key, no copy
-                            shown.append(key)
+            for g, block_id, block_hash in _align_blocks(self, module, request, align):
+                if block_id == NULL_BLOCK_ID:
+                    key = self._make_layerwise_gva_key(g, module.block_hash_to_str(block_hash))
+                    if key not in self._allocated_gvas:
+                        self._allocated_gvas[key] = 0  # "present, GVA 0": no alloc, no key, no copy
+                        shown.append(key)
         try:  # vllm-ascend 0.26 first drops cached keys MemCache no longer has: keep the placeholders
             return _with_store(self, set(shown), lambda: original(self, requests))
         finally:
@@ -234,21 +247,16 @@ def null_loads_present(original):
 
     @functools.wraps(original)
     def _prepare_load_gvas(self, requests):
-        align = [g for g, on in enumerate(getattr(self, "group_uses_align_state", None) or ()) if on]
-        if not align or not getattr(self, "use_gva_layerwise", False):
+        align = _align_groups(self)
+        if not align:
             return original(self, requests)
         null: set[str] = set()
         real: set[str] = set()
         loading = [r for r in requests if r.load_spec is not None and r.load_spec.can_load and r.block_ids_by_group_np is not None]
         for request in loading:
-            for g in align:
-                if g >= len(request.block_ids_by_group_np):
-                    continue
-                ids = request.block_ids_by_group_np[g]
-                blocks = module.get_block_hashes(request.block_hashes, self._get_effective_group_block_size(g), self.hash_block_size)
-                for i in range(min(len(ids), len(blocks))):
-                    key = self._make_layerwise_gva_key(g, module.block_hash_to_str(blocks[i]))
-                    (null if int(ids[i]) == NULL_BLOCK_ID else real).add(key)
+            for g, block_id, block_hash in _align_blocks(self, module, request, align):
+                key = self._make_layerwise_gva_key(g, module.block_hash_to_str(block_hash))
+                (null if block_id == NULL_BLOCK_ID else real).add(key)
         null -= real  # a key another request loads into a real block is looked up as usual
         result = _with_store(self, null, lambda: original(self, requests))
         if null:
