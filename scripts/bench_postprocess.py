@@ -330,7 +330,7 @@ SHORT = dict(pieces="p", copy_bytes="b", ds_rows="r", num_warps="w", max_registe
 
 
 def sweep_name(knobs: dict) -> str:
-    return "ours " + (" ".join(f"{SHORT[k]}{int(v) if not isinstance(v, bool) else int(v)}" for k, v in knobs.items())
+    return "ours " + (" ".join(f"{SHORT[k]}{int(v)}" for k, v in knobs.items())
                       or "defaults")
 
 

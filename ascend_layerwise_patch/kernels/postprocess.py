@@ -129,6 +129,9 @@ _N_PARAMS = len(PARAMS)
 _INDEX = {name: i for i, name in enumerate(PARAMS)}
 _DEFAULT_AT = tuple((_INDEX[name], value) for name, value in _DEFAULTS.items())
 _MISSING = object()
+#: Where ``launch`` reads the values it passes on by name (the first ``_NUM_REQS`` go as they are).
+_NUM_REQS, _BLOCK_SIZE = _INDEX["num_reqs"], _INDEX["block_size"]
+_DIM_FIRST, _HAS_IDX, _PRECOMPUTED = (_INDEX[n] for n in ("CONV_STATE_DIM_FIRST", "HAS_IDX_MAPPING", "PRECOMPUTED_NEW_COMPUTED"))
 
 REQ_BLOCK = 128  # requests whose decisions one program loads as one vector
 DS_COLS = 16  # bytes per row of a dim-first tile (a conv window of <= 8 bf16 elements)
@@ -489,14 +492,12 @@ class PostprocessKernel:
 
     ``grid`` is the caller's ``(num_reqs, num_layers * num_state_types)``; only its second entry
     (the number of states) and ``min(grid[0], num_reqs)`` are used. The keyword arguments
-    (``KNOBS``) are tuning knobs; None takes the backend's ``TUNING`` entry (the piece count: from
+    are tuning knobs; None takes the backend's ``TUNING`` entry (the piece count: from
     the device's cores). The GPU defaults are the best of a sweep on an H200
     (scripts/bench_postprocess.py --sweep); none of the knobs changes what is copied.
     """
 
     arg_names = PARAMS
-    KNOBS = ("pieces", "copy_bytes", "ds_rows", "num_warps", "max_registers", "min_piece", "ds_min_rows",
-             "pieces_first", "packed_walk")
 
     def __init__(
         self,
@@ -541,7 +542,7 @@ class PostprocessKernel:
         return tuning[name] if value is None else value
 
     def _settings(self, device, states: int):
-        """(pieces, pieces first, the launch's constant keyword arguments) for a device and a
+        """(pieces, the launch's constant keyword arguments) for a device and a
         number of states, worked out once: a decode step's launch is on the host's critical path."""
         key = (device, states)
         found = self._cache.get(key)
@@ -566,7 +567,7 @@ class PostprocessKernel:
                 const["num_warps"] = num_warps
             if self.max_registers and backend == "gpu":
                 const["maxnreg"] = self.max_registers
-            found = self._cache[key] = (pieces, const["PIECES_FIRST"], const)
+            found = self._cache[key] = (pieces, const)
         return found
 
     def launch(self, grid, *args, **kwargs) -> None:
@@ -590,18 +591,18 @@ class PostprocessKernel:
                 raise TypeError(f"postprocess_mamba_fused_kernel is missing {', '.join(missing)}")
         if callable(grid):
             grid = grid(dict(zip(PARAMS, a)))
-        rows, states = min(int(grid[0]), int(a[17])), (int(grid[1]) if len(grid) > 1 else 1)
+        rows, states = min(int(grid[0]), int(a[_NUM_REQS])), (int(grid[1]) if len(grid) > 1 else 1)
         if rows <= 0 or states <= 0:
             return
         kernel = compiled()
-        pieces, pieces_first, const = self._settings(a[0].device, states)
+        pieces, const = self._settings(a[0].device, states)
         blocks = -(-rows // REQ_BLOCK)
-        kernel[(pieces, states, blocks) if pieces_first else (states, pieces, blocks)](
-            *a[:17],
+        kernel[(pieces, states, blocks) if const["PIECES_FIRST"] else (states, pieces, blocks)](
+            *a[:_NUM_REQS],
             rows,
-            block_size=a[18],
-            CONV_STATE_DIM_FIRST=bool(a[20]),
-            HAS_IDX_MAPPING=bool(a[21]),
-            PRECOMPUTED_NEW_COMPUTED=bool(a[22]),
+            block_size=a[_BLOCK_SIZE],
+            CONV_STATE_DIM_FIRST=bool(a[_DIM_FIRST]),
+            HAS_IDX_MAPPING=bool(a[_HAS_IDX]),
+            PRECOMPUTED_NEW_COMPUTED=bool(a[_PRECOMPUTED]),
             **const,
         )

@@ -285,7 +285,8 @@ def _loads_precondition(original) -> str | None:
 
 
 def _loads_fixed(original) -> str | None:
-    if "group_uses_align_state" in source(original) or "skip_null" in source(original):
+    text = source(original)
+    if "group_uses_align_state" in text or "skip_null" in text:
         return "the layerwise load already leaves mamba null blocks out of its lookups"
     return None
 

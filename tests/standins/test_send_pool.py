@@ -41,7 +41,7 @@ SENDS_OUTLIVE_STEPS = ("v0251",)
 #: KV heads, rank 1 saves its own GDN keys (gdn_tp_keys) while the attention layer is saved by the
 #: leader, so rank 1's last save_kv_layer does not wait for them.
 IDLE_LAYOUTS = [(1, 2), (2, 2)] if PAIR in SENDS_OUTLIVE_STEPS else [(2, 1)]
-IDLE_GATED = "None" if PAIR in SENDS_OUTLIVE_STEPS else "lambda key: key.endswith('@tp1')"
+IDLE_GATED = None if PAIR in SENDS_OUTLIVE_STEPS else (lambda key: key.endswith("@tp1"))
 
 _SALT = itertools.count(1)
 
@@ -121,7 +121,7 @@ def test_idle_engine_returns_every_block(patched, tp, kv_heads):
     pool = make_pool()
     inst = PoolInstance(pool, tp=tp, kv_heads=kv_heads)
     inst.scale_save_wait()
-    s = _serve(inst, slow_s=SLOW_S, match=eval(IDLE_GATED))
+    s = _serve(inst, slow_s=SLOW_S, match=IDLE_GATED)
     print(f"\ntp={tp}: {s}")
     assert not inst.has_work()  # the loop stopped by itself
     assert s["held"] == 0 and s["open_events"] == 0
@@ -422,7 +422,7 @@ def test_idle_controls_pin_blocks(case, request):
     tp, kv_heads = IDLE_LAYOUTS[0]
     inst = PoolInstance(make_pool(), tp=tp, kv_heads=kv_heads)
     inst.scale_save_wait()
-    s = _serve(inst, slow_s=SLOW_S, match=eval(IDLE_GATED))
+    s = _serve(inst, slow_s=SLOW_S, match=IDLE_GATED)
     print(f"\n{case}: {s}")
     assert s["held"] > 0 and s["open_events"] > 0
     with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
