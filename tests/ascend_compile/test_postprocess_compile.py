@@ -26,6 +26,7 @@ from npu_compile import TARGETS, Compiler
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "ascend_layerwise_patch" / "kernels" / "postprocess.py"
 UB_LIMIT = 0.80
+CRASH_BUDGET = 3  # of about 100 compiles
 
 
 def load_kernel_module(name: str):
@@ -110,8 +111,8 @@ def compile_variant(compiler, kernel, target, spec):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variant_compiles_within_ub(compiler, kernel, target, variant, record_property):
     result = compile_variant(compiler, kernel, TARGETS[target], VARIANTS[variant])
-    if result.crashes:
-        print(f"{variant} on {target}: triton-adapter-opt died on a signal {result.crashes} time(s), compiled again")
+    for crash in result.flaky:
+        print(f"{variant} on {target}: the compiler crashed and did not when compiled again: {crash}")
     assert result.compiled, f"{variant} on {target}: fails in {result.stage}:\n{result.message[:3000]}"
     assert result.ub_bytes is not None, "compiled, but bishengir left no memory plan (module.hivm.opt.mlir)"
     record_property("ub_bytes", result.ub_bytes)
@@ -142,4 +143,51 @@ def test_negative_control_cast_in_loop_fails(compiler, target):
     result = compile_variant(compiler, module.PostprocessKernel(), TARGETS[target], spec)
     assert not result.compiled, "the in-loop cast of an address tensor compiled: the suite could not fail"
     assert result.stage == "ConvertTritonIRToLinalgIR", f"failed in {result.stage}, not in triton-adapter-opt"
-    assert result.crashes == 0 and not result.died_on_signal, "an assertion of the adapter, not a signal"
+    assert result.reproduced, f"the control's crash did not reproduce: {result.signature}; {result.flaky}"
+    assert "Assertion `idx < size()' failed" in result.signature, result.signature
+
+
+def test_compiler_crashes_are_rare(compiler):
+    """Crashes that did not reproduce, over every compile above (they run first, in file order):
+    measured about 1 in 200-500 compiles, so a handful per suite means the compiler or its inputs
+    changed."""
+    assert compiler.count > 0, "nothing was compiled before this test"
+    assert len(compiler.flaky) <= CRASH_BUDGET, (
+        f"{len(compiler.flaky)} compiler crashes that did not reproduce in {compiler.count} compiles: "
+        + "; ".join(compiler.flaky)
+    )
+
+
+# ----------------------------------------------------------------------------- the crash policy
+
+
+@pytest.mark.parametrize(
+    "ends, compiled, reproduced, flaky",
+    [
+        (["ok"], True, False, 0),
+        (["A", "ok"], True, False, 1),  # a crash that does not come back: compiled
+        (["A", "A"], False, True, 0),  # the same crash twice: a verdict
+        (["A", "B", "B"], False, True, 1),
+        (["A", "B", "C", "D"], False, False, 3),  # never the same twice: fails, not reproduced
+        (["error"], False, False, 0),  # an error without a crash is never compiled again
+    ],
+)
+def test_crash_policy(ends, compiled, reproduced, flaky):
+    """compile_launch's policy on scripted compiler outcomes: "ok" compiled, "error" a diagnosed
+    error, any other letter a crash with that assertion."""
+    from npu_compile import Result
+
+    def outcome(end):
+        if end == "ok":
+            return Result("t", True, "ConvertLinalgRToBinary", "External hivmc run fails")
+        if end == "error":
+            return Result("t", False, "ConvertTritonIRToLinalgIR", "x.mlir:1:1: error: bad")
+        return Result("t", False, "ConvertTritonIRToLinalgIR", f"opt: Assertion `{end}' failed.\nStack dump:\n")
+
+    policy = Compiler.__new__(Compiler)  # the policy alone: no compiler set up, nothing launched
+    policy.flaky, script = [], iter(ends)
+    policy._compile_once = lambda target, launch: outcome(next(script))
+    result = policy.compile_launch("t", None)
+    assert next(script, None) is None, "compiled fewer times than the script has outcomes"
+    assert (result.compiled, result.reproduced, len(result.flaky)) == (compiled, reproduced, flaky)
+    assert policy.flaky == result.flaky
