@@ -49,9 +49,9 @@ imports nothing heavy at import time (factories import their targets' neighbours
             instance every local prefix hit starts GDN from the null block.
    How:     for the block pool the AscendStore pool scheduler is bound to, the joint hit over all
             groups (vLLM's own local path); P/D connectors keep upstream's skip.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1. Not needed on vLLM 0.26.0 / vllm-ascend 0.26.0rc1
-            (out of range there): local hits read the right state without it, although the
-            coordinator still skips mamba groups (where 0.26 adds the cached block: not pinned).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1. 0.26.0rc1 fixed it for producer roles only (its
+            scheduler takes the joint lookup for kv_producer / kv_both); kv_consumer instances and
+            balance scheduling still lose the state there, so the patch applies on both pairs.
    Remove:  when the coordinator no longer skips mamba groups (detected: the group then skips).
 
 ** mamba_pool_hit ** (``mamba_pool_hit.py``)

@@ -4,12 +4,13 @@ Target   vllm_ascend.patch.platform.patch_kv_cache_coordinator:
          AscendHybridKVCacheCoordinator.find_longest_cache_hit_per_group; and
          vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.bind_gpu_block_pool (to know
          which scheduler's block pool the pool connector serves).
-Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26. Not needed on vLLM 0.26.0 / vllm-ascend
-         0.26.0rc1: local hits with the pool connector read the right state there without it (pool
-         harness, test_gdn_prefix_hits.py). The coordinator still skips mamba groups in
-         ``find_longest_cache_hit_per_group``, yet the request's mamba block table comes out as
-         [null, cached state, running] (0.25: [null, null, running]); where vLLM 0.26's KV cache
-         manager adds the cached block is not pinned.
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. On vllm-ascend 0.26.0rc1 the scheduler
+         (``BalanceScheduler.schedule``, balance scheduling off) hides ``has_mamba_layers`` from
+         the lookup choice when the connector is a KV producer (``kv_producer`` / ``kv_both``), so
+         those instances take the joint lookup and never reach this method; a ``kv_consumer``
+         instance, and every instance with balance scheduling on (DP > 1: read in its source, not
+         run here), still takes the per-group lookup and loses its mamba state (pool harness, ``test_gdn_prefix_hits.py``: 2 wrong GDN
+         reads on a consumer's local hit without this patch, 0 with it).
 Why      With a KV connector and mamba layers, vLLM 0.25's ``Scheduler.schedule`` takes the local
          hit from ``coordinator.find_longest_cache_hit_per_group`` and uses the longest group's
          length. vllm-ascend's process-wide coordinator skips every ``MambaSpec`` group there
@@ -41,8 +42,8 @@ import weakref
 from ..registry import PatchSpec
 from ._checks import param_names as _params
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
 COORDINATOR = "vllm_ascend.patch.platform.patch_kv_cache_coordinator:AscendHybridKVCacheCoordinator"
 POOL_SCHEDULER = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler:KVPoolScheduler"
 

@@ -104,6 +104,15 @@ def local_hit_empty_pool():
     return inst, {"b": 32}
 
 
+def local_hit_consumer():
+    """(b) a local hit on a kv_consumer instance of the pool: vllm-ascend 0.26.0rc1 keeps the
+    per-group lookup (mamba groups skipped) for consumers, where it fixed producers."""
+    inst = _inst(make_pool(), name="A", kv_role="kv_consumer")
+    _serve(inst, "a", A)
+    _serve(inst, "b", A[:32] + TAIL)
+    return inst, {"b": 32}
+
+
 def whole_prompt_one_chunk():
     """(c1) B = exactly A's first 32 tokens, A prefilled in one chunk."""
     pool = make_pool()
@@ -156,6 +165,7 @@ SCENARIOS = {
         pool_and_local_hits_in_one_batch,
         local_hit_with_connector,
         local_hit_empty_pool,
+        local_hit_consumer,
         whole_prompt_one_chunk,
         whole_prompt_16_token_chunks,
         first_block_only,
@@ -228,8 +238,9 @@ def test_library_off_reads_wrong_states(library_off, monkeypatch):
 
 
 HUNG = "hung"
-#: Scenarios upstream already gets right on a pair. vllm-ascend 0.26.0rc1: a local hit with the
-#: connector on keeps its mamba state (mamba_local_hit is out of range there).
+#: Scenarios upstream already gets right on a pair. vllm-ascend 0.26.0rc1: a local hit keeps its
+#: mamba state on a kv_both / kv_producer instance (its scheduler takes the joint lookup for
+#: producers); a kv_consumer's does not (local_hit_consumer).
 RIGHT_WITHOUT_LIBRARY = {"v0260": ("local_hit_with_connector", "local_hit_empty_pool")}
 
 
