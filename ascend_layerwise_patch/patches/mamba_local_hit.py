@@ -8,9 +8,10 @@ Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. On vllm-ascend 0.26.0r
          (``BalanceScheduler.schedule``, balance scheduling off) hides ``has_mamba_layers`` from
          the lookup choice when the connector is a KV producer (``kv_producer`` / ``kv_both``), so
          those instances take the joint lookup and never reach this method; a ``kv_consumer``
-         instance, and every instance with balance scheduling on (DP > 1: read in its source, not
-         run here), still takes the per-group lookup and loses its mamba state (pool harness, ``test_gdn_prefix_hits.py``: 2 wrong GDN
-         reads on a consumer's local hit without this patch, 0 with it).
+         instance, and every instance with balance scheduling on (``enable_balance_scheduling``:
+         that schedule path has no such switch), still takes the per-group lookup and loses its
+         mamba state (pool harness, ``test_gdn_prefix_hits.py``: 2 wrong GDN reads on such a local
+         hit without this patch, 0 with it, on both pairs).
 Why      With a KV connector and mamba layers, vLLM 0.25's ``Scheduler.schedule`` takes the local
          hit from ``coordinator.find_longest_cache_hit_per_group`` and uses the longest group's
          length. vllm-ascend's process-wide coordinator skips every ``MambaSpec`` group there

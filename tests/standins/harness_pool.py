@@ -1145,6 +1145,7 @@ class PoolInstance:
         extra_config: dict | None = None,
         num_speculative_blocks: int = 0,
         kv_load_failure_policy: str = "fail",  # vLLM's default
+        additional_config: dict | None = None,  # vllm-ascend's (``--additional-config``)
     ):
         _runtime()
         from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
@@ -1190,6 +1191,7 @@ class PoolInstance:
                     if pool is not None
                     else None
                 ),
+                additional_config=dict(additional_config or {}),
             )
             cfg.cache_config.block_size = block_size  # as EngineCore sets it from the KV cache groups
             return cfg

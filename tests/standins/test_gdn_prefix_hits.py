@@ -113,6 +113,17 @@ def local_hit_consumer():
     return inst, {"b": 32}
 
 
+def local_hit_balance_scheduling():
+    """(b) a local hit with vllm-ascend's balance scheduling on (meant for DP > 1; its schedule path is
+    the same with one rank): that path keeps the per-group lookup for every KV role."""
+    balance = {"scheduler_config": {"enable_balance_scheduling": True}}
+    inst = _inst(make_pool(), name="A", additional_config=balance)
+    assert inst.scheduler._balance_enabled, "balance scheduling did not turn on"
+    _serve(inst, "a", A)
+    _serve(inst, "b", A[:32] + TAIL)
+    return inst, {"b": 32}
+
+
 def whole_prompt_one_chunk():
     """(c1) B = exactly A's first 32 tokens, A prefilled in one chunk."""
     pool = make_pool()
@@ -166,6 +177,7 @@ SCENARIOS = {
         local_hit_with_connector,
         local_hit_empty_pool,
         local_hit_consumer,
+        local_hit_balance_scheduling,
         whole_prompt_one_chunk,
         whole_prompt_16_token_chunks,
         first_block_only,
@@ -240,7 +252,8 @@ def test_library_off_reads_wrong_states(library_off, monkeypatch):
 HUNG = "hung"
 #: Scenarios upstream already gets right on a pair. vllm-ascend 0.26.0rc1: a local hit keeps its
 #: mamba state on a kv_both / kv_producer instance (its scheduler takes the joint lookup for
-#: producers); a kv_consumer's does not (local_hit_consumer).
+#: producers); a kv_consumer's does not (local_hit_consumer), nor does any instance's with balance
+#: scheduling on (local_hit_balance_scheduling).
 RIGHT_WITHOUT_LIBRARY = {"v0260": ("local_hit_with_connector", "local_hit_empty_pool")}
 
 
