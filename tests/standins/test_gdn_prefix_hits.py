@@ -86,12 +86,16 @@ def pool_and_local_hits_in_one_batch():
     return b, {"b1": 32, "b2": 32}
 
 
-def local_hit_with_connector():
-    """(b) one instance with the connector: A then B sharing 32 tokens (pool hit == local hit)."""
-    inst = _inst(make_pool(), name="A")
+def _local_hit(inst: PoolInstance):
+    """A then B sharing 32 tokens on one instance: B's first step reads the local hit."""
     _serve(inst, "a", A)
     _serve(inst, "b", A[:32] + TAIL)
     return inst, {"b": 32}
+
+
+def local_hit_with_connector():
+    """(b) one instance with the connector: A then B sharing 32 tokens (pool hit == local hit)."""
+    return _local_hit(_inst(make_pool(), name="A"))
 
 
 def local_hit_empty_pool():
@@ -107,10 +111,7 @@ def local_hit_empty_pool():
 def local_hit_consumer():
     """(b) a local hit on a kv_consumer instance of the pool: vllm-ascend 0.26.0rc1 keeps the
     per-group lookup (mamba groups skipped) for consumers, where it fixed producers."""
-    inst = _inst(make_pool(), name="A", kv_role="kv_consumer")
-    _serve(inst, "a", A)
-    _serve(inst, "b", A[:32] + TAIL)
-    return inst, {"b": 32}
+    return _local_hit(_inst(make_pool(), name="A", kv_role="kv_consumer"))
 
 
 def local_hit_balance_scheduling():
@@ -119,9 +120,7 @@ def local_hit_balance_scheduling():
     balance = {"scheduler_config": {"enable_balance_scheduling": True}}
     inst = _inst(make_pool(), name="A", additional_config=balance)
     assert inst.scheduler._balance_enabled, "balance scheduling did not turn on"
-    _serve(inst, "a", A)
-    _serve(inst, "b", A[:32] + TAIL)
-    return inst, {"b": 32}
+    return _local_hit(inst)
 
 
 def whole_prompt_one_chunk():
@@ -162,10 +161,7 @@ def no_hit():
 
 def no_connector():
     """Control: no KV connector at all; vLLM's prefix cache serves the hit."""
-    inst = _inst(None, name="local")
-    _serve(inst, "a", A)
-    _serve(inst, "b", A[:32] + TAIL)
-    return inst, {"b": 32}
+    return _local_hit(_inst(None, name="local"))
 
 
 SCENARIOS = {
