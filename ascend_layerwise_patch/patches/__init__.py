@@ -150,6 +150,21 @@ imports nothing heavy at import time (factories import their targets' neighbours
             its last save task on every rank: gdn_tp_finish is skipped there as fixed upstream).
    Remove:  when _make_layerwise_gva_key reads group_uses_align_state (detected: the group skips).
 
+** pool_key_layout ** (``pool_key_layout.py``)
+   Target:  ascend_store.pool_scheduler.KVPoolScheduler.__init__; ascend_store.pool_worker.
+            KVPoolWorker.__init__ and KVPoolWorker.process_layer_data.
+   Why:     layerwise keys start with the checkpoint folder's name and name no TP size, pipeline
+            stage or format: instances of another TP size, another checkpoint in a folder of the
+            same name, another stage or a process without this library read each other's bytes;
+            PP > 1 also looks layers up by the wrong index; 0.25.1rc1 never forgets a key MemCache
+            evicted or failed (never saved again, stale GVA rewritten) and its GVA map grows.
+   How:     on the layerwise GVA path both halves key under ``alp<FORMAT>.<name>.<digest of the
+            full path>.tp<N>.pp<N>s<stage>`` (other layouts: a miss); PP > 1 is refused at
+            start-up with the reason; cached keys a save names are checked in MemCache first
+            (0.25.1rc1; 0.26.0rc1 does it itself) and the map is bounded.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
+   Remove:  when vllm-ascend's layerwise keys name TP size and stage (detected: the group skips).
+
 ** load_failures ** (``load_failures.py``)
    Target:  ascend_store.pool_worker.KVPoolWorker.wait_for_layer_load;
             KVCacheStoreLayerRecvingThread.{_handle_request, _batch_copy_with_limits} (through
@@ -187,6 +202,7 @@ from . import (
     mamba_local_hit,
     mamba_pool_hit,
     mamba_precopy,
+    pool_key_layout,
     postprocess_kernel,
     send_integrity,
 )
@@ -201,5 +217,6 @@ SPECS = (
     *mamba_local_hit.SPECS,
     *mamba_pool_hit.SPECS,
     *gdn_tp_keys.SPECS,
+    *pool_key_layout.SPECS,
     *load_failures.SPECS,
 )

@@ -630,7 +630,7 @@ def make_pool() -> PoolService:
     return PoolService()
 
 
-def state_value(tokens, layer: int, rank_key: int, nbytes: int) -> bytes:
+def state_value(tokens, layer: int, rank_key, nbytes: int) -> bytes:
     """The content of layer ``layer``'s state (TP slice ``rank_key``) after ``tokens``."""
     h = _hashlib.blake2b(_np.asarray(tokens, dtype=_np.int64).tobytes(), digest_size=16, person=b"alp-state")
     h.update(f"{layer}/{rank_key}".encode())
@@ -689,10 +689,16 @@ def _host_batch_memcpy(src_ptrs, dst_ptrs, sizes):
         _ctypes.memmove(dst, src, n)
 
 
-def _model_dir(pattern: str, kv_heads: int) -> str:
-    key = (pattern, kv_heads)
-    if key not in _MODEL_DIRS:
+def _model_dir(pattern: str, kv_heads: int, folder: str | None = None) -> str:
+    """The checkpoint folder (config.json only) of a tiny Qwen3-Next; ``folder`` names its last path
+    component (in a fresh parent folder: two calls with one ``folder`` give two checkpoints whose
+    folders have the same name)."""
+    key = (pattern, kv_heads, folder)
+    if folder is not None or key not in _MODEL_DIRS:
         d = _tempfile.mkdtemp(prefix="alp-qwen3next-")
+        if folder is not None:
+            d = _os.path.join(d, folder)
+            _os.makedirs(d)
         types = ["linear_attention" if c == "G" else "full_attention" for c in pattern]
         cfg = dict(
             architectures=["Qwen3NextForCausalLM"],
@@ -702,7 +708,7 @@ def _model_dir(pattern: str, kv_heads: int) -> str:
             num_hidden_layers=len(pattern),
             layer_types=types,
             full_attention_interval=2,
-            num_attention_heads=4,
+            num_attention_heads=8,  # divisible by every TP size the tests use (up to 8)
             num_key_value_heads=kv_heads,
             head_dim=16,
             linear_num_key_heads=16,
@@ -723,8 +729,8 @@ def _model_dir(pattern: str, kv_heads: int) -> str:
     return _MODEL_DIRS[key]
 
 
-def _model_config(pattern: str, kv_heads: int, max_model_len: int):
-    key = (pattern, kv_heads, max_model_len)
+def _model_config(pattern: str, kv_heads: int, max_model_len: int, model_dir: str | None = None):
+    key = (pattern, kv_heads, max_model_len, model_dir)
     if key not in _MODEL_CONFIGS:
         from vllm.config import ModelConfig
 
@@ -732,7 +738,7 @@ def _model_config(pattern: str, kv_heads: int, max_model_len: int):
         _os.environ["PYTHONPATH"] = _os.pathsep.join(p for p in (str(_CHILD_SITE), old) if p)
         try:  # vLLM inspects the architecture in a subprocess: give it the CPU stand-ins too
             _MODEL_CONFIGS[key] = ModelConfig(
-                model=_model_dir(pattern, kv_heads), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16"
+                model=model_dir or _model_dir(pattern, kv_heads), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16"
             )
         finally:
             if old is None:
@@ -915,16 +921,23 @@ class _Rank:
         )
 
     # ------------------------------------------------------------------ values
-    def rank_key(self, layer: str) -> int:
-        """Which slice of the layer this rank holds: its own for GDN, its KV head's for attention."""
-        if layer in self.inst.gdn_layers:
-            return self.rank
-        return self.rank // max(1, self.inst.tp // self.inst.kv_heads)
+    def rank_key(self, layer: str) -> str:
+        """Which slice of the layer this rank holds, named by what it covers (so that two TP layouts
+        whose ranks hold the same heads hold the same bytes, and any other pair differs): for GDN
+        its share of the linear-attention heads (rank r of TP t), for attention its KV heads
+        (``kv_heads // tp`` of them from its head group's first; one head, replicated, at TP >=
+        KV heads)."""
+        inst = self.inst
+        if layer in inst.gdn_layers:
+            return f"gdn{self.rank}/{inst.tp}"
+        per_rank = max(1, inst.kv_heads // inst.tp)
+        first = self.rank // max(1, inst.tp // inst.kv_heads) * per_rank
+        return f"kv{first}+{per_rank}"
 
     def _tokens(self, st) -> list[int]:
         return list(st.prompt_token_ids) + list(st.output_token_ids)
 
-    def _decode(self, raw: bytes, tokens, layer: int, key: int, block_id: int) -> int | str:
+    def _decode(self, raw: bytes, tokens, layer: int, key, block_id: int) -> int | str:
         if block_id == 0:
             return "null"
         if not any(raw):
@@ -1146,6 +1159,8 @@ class PoolInstance:
         num_speculative_blocks: int = 0,
         kv_load_failure_policy: str = "fail",  # vLLM's default
         additional_config: dict | None = None,  # vllm-ascend's (``--additional-config``)
+        model_dir: str | None = None,  # the checkpoint folder (``_model_dir``); default: one per (pattern, kv_heads)
+        pp: int = 1,  # pipeline stages (the harness runs stage 0's ranks; see stage_workers)
     ):
         _runtime()
         from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
@@ -1165,14 +1180,14 @@ class PoolInstance:
         self.pool, self.name, self.tp, self.kv_heads = pool, name, tp, kv_heads
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.pattern = pattern
-        model_config = _model_config(pattern, kv_heads, max_model_len)
+        model_config = _model_config(pattern, kv_heads, max_model_len, model_dir)
         extra = {"use_layerwise": layerwise, "backend": "memcache", **(extra_config or {})}
 
         def config(rank: int) -> VllmConfig:
             cfg = VllmConfig(
                 model_config=model_config,
                 cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, mamba_cache_mode="align"),
-                parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=rank),
                 scheduler_config=SchedulerConfig(
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens,
@@ -1253,6 +1268,25 @@ class PoolInstance:
 
         self.attention_op = maybe_transfer_kv_layer(attention)
         self._current_rank = self.ranks[0]
+
+    def stage_workers(self) -> list:
+        """One more AscendStore worker half per pipeline stage (TP rank 0 of each), built as a
+        worker process of that stage builds it (its global rank in the parallel config); their
+        caches are not registered and no layer thread runs: for what they key, not for serving."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        workers = []
+        for stage in range(self.configs[0].parallel_config.pipeline_parallel_size):
+            cfg = copy.copy(self.configs[0])
+            cfg.parallel_config = copy.copy(cfg.parallel_config)
+            cfg.parallel_config.rank = stage * self.tp
+            with _process_of_rank(0, self.tp):
+                connector = KVConnectorFactory.create_connector(
+                    config=cfg, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config
+                )
+            workers.append(connector.connector_worker)
+        return workers
 
     def pool_register(self, raw) -> None:
         if self.pool is not None:

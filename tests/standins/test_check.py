@@ -98,6 +98,7 @@ def test_check_json_records_every_place_with_its_state():
         assert p["places"][0] == {"place": p["target"], "role": "target", "state": p["state"], "reason": p["reason"]}
     if PAIR == "v0251":
         assert {states[n] for n in ("guard_wait", "guard_save", "gdn_layerwise")} == {"applied"}
+        assert {states[n] for n in ("pool_layout_scheduler", "pool_layout_worker", "pool_gva_cache")} == {"applied"}
         places = {q["place"]: q["state"] for q in patches["guard_save"]["places"]}
         assert {f"{m}:maybe_save_kv_layer_to_connector" for m in SAVE_COPIES} <= set(places)
         assert {places[f"{m}:maybe_save_kv_layer_to_connector"] for m in SAVE_COPIES} == {"applied"}
@@ -121,10 +122,18 @@ def test_check_json_records_every_place_with_its_state():
         widened = [s.name for m in (connector_guards, gdn_layerwise, mamba_lifetime) for s in m.SPECS]
         assert {states[n] for n in [*widened, "postprocess_v2_out_buffer"]} == {"applied"}, states
         # issue 15: the pool-correctness groups where their defects persist on 0.26
-        from ascend_layerwise_patch.patches import gdn_tp_keys, load_failures, mamba_local_hit, mamba_pool_hit, mamba_precopy
+        from ascend_layerwise_patch.patches import (
+            gdn_tp_keys,
+            load_failures,
+            mamba_local_hit,
+            mamba_pool_hit,
+            mamba_precopy,
+            pool_key_layout,
+        )
 
         fixed = {"send_integrity_copy", "gdn_tp_finish"}
-        pool = [s.name for m in (mamba_precopy, mamba_pool_hit, gdn_tp_keys, mamba_local_hit) for s in m.SPECS if s.name not in fixed]
+        groups = (mamba_precopy, mamba_pool_hit, gdn_tp_keys, mamba_local_hit, pool_key_layout)  # issue 22: pool_key_layout
+        pool = [s.name for m in groups for s in m.SPECS if s.name not in fixed]
         assert {states[n] for n in [*pool, "send_integrity_own_arrays", "send_integrity_idle_steps"]} == {"applied"}, states
         for name in fixed:
             assert patches[name]["state"] == "skipped" and patches[name]["reason"].startswith("already fixed upstream"), patches[name]
