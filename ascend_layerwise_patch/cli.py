@@ -41,7 +41,7 @@ def _table(rows: list[dict]) -> str:
                 place["place"],
                 versions if first else "",
                 place["state"],
-                place["reason"],
+                place["reason"] or (r.get("why", "") if first and place["state"] == _registry.APPLIED else ""),
             ])
     widths = [max(len(c), *(len(d[i]) for d in data)) if data else len(c) for i, c in enumerate(cols)]
     widths[-1] = len(cols[-1])
@@ -121,7 +121,8 @@ def check(cpu: bool, as_json: bool) -> int:
             "triton.runtime; on an NPU node (no --cpu) the same lines would mean triton-ascend is broken",
             file=sys.stderr if as_json else sys.stdout,
         )
-    rows = [st.as_dict() for st in alp.REGISTRY.status()]
+    whys = {spec.name: spec.why for spec in alp.REGISTRY.specs}  # what each patch changes (applied rows show it)
+    rows = [{**st.as_dict(), "why": whys.get(st.name, "")} for st in alp.REGISTRY.status()]
     bad_states = (_registry.FAILED, _registry.CONFLICT, _registry.PENDING)
     bad = [r for r in rows if any(p["state"] in bad_states for p in r["places"])]
     errors = list(alp.REGISTRY.config_errors)

@@ -99,6 +99,10 @@ def test_check_json_records_every_place_with_its_state():
     if PAIR == "v0251":
         assert {states[n] for n in ("guard_wait", "guard_save", "gdn_layerwise")} == {"applied"}
         assert {states[n] for n in ("pool_layout_scheduler", "pool_layout_worker", "pool_gva_cache")} == {"applied"}
+        # issue 22: check says that PP > 1 is refused with the layerwise pool (JSON and table)
+        assert "PP > 1 refused at start-up" in patches["pool_layout_worker"]["why"]
+        table = run_cli("check", "--cpu").stdout
+        assert [line for line in table.splitlines() if line.startswith("pool_layout_worker") and "PP > 1 refused" in line]
         places = {q["place"]: q["state"] for q in patches["guard_save"]["places"]}
         assert {f"{m}:maybe_save_kv_layer_to_connector" for m in SAVE_COPIES} <= set(places)
         assert {places[f"{m}:maybe_save_kv_layer_to_connector"] for m in SAVE_COPIES} == {"applied"}
