@@ -76,6 +76,7 @@ VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
 GROUP = "load_failures"
 POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
+SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
@@ -83,6 +84,8 @@ RISK = "failed or late layerwise loads are computed on without telling vLLM (wro
 _FAILED_COPY = "_ascend_layerwise_patch_failed_copy"  # thread: result of the copy being handled
 _RECV = "_ascend_layerwise_patch_recv"  # thread: _Recv
 _STEP = "_ascend_layerwise_patch_load_step"  # worker: _Step
+_POISONED = "_ascend_layerwise_patch_load_failed"  # a step's ReqMeta: its load failed, drop its saves
+DROPPED = -1  #: the write result a save of a failed-load request is finished with (non-zero: failed)
 
 
 class _Recv:
@@ -104,13 +107,15 @@ class _Recv:
 class _Step:
     """The worker's view of this step's loads."""
 
-    __slots__ = ("blocks", "req_ids", "keys", "late")
+    __slots__ = ("blocks", "req_ids", "keys", "late", "metas", "req_blocks")
 
     def __init__(self) -> None:
         self.blocks: set[int] = set()
         self.req_ids: set[str] = set()
         self.keys: list[str] = []
         self.late = False  # a wait timed out; the receiving thread may still run an old copy
+        self.metas: dict[str, list] = {}  # req id -> this step's ReqMeta(s) (its saves are read from them)
+        self.req_blocks: dict[str, set[int]] = {}  # req id -> blocks its loads write
 
 
 def _recv(thread) -> _Recv:
@@ -160,11 +165,58 @@ def make_recv_handle(original):
     return _handle_request
 
 
+def make_send_handle(original):
+    """The layer sending thread: at the step's final layer (where upstream finishes every save key
+    with ``write_results.get(key, 0) or res``), the save keys of requests whose load failed this
+    step get a failed result first, so they are finished as failed, never ready. In the thread
+    itself, before upstream's finish: no race with its own ``write_results`` updates."""
+
+    @functools.wraps(original)
+    def _handle_request(self, transfer_tasks):
+        if isinstance(transfer_tasks, list) and transfer_tasks:
+            first = transfer_tasks[0]
+            if getattr(first, "layer_id", None) == self.final_layer_id:
+                dropped: dict[str, None] = {}
+                for task in transfer_tasks:
+                    for rng in getattr(task, "block_ranges", ()):
+                        meta = rng.request
+                        if meta.__dict__.get(_POISONED) and meta.save_keys:
+                            dropped.update(dict.fromkeys(meta.save_keys))
+                if dropped:
+                    results = self.write_results
+                    for key in dropped:
+                        if not results.get(key):
+                            results[key] = DROPPED
+                    logger().warning(
+                        "ascend_layerwise_patch: %d pool key(s) saved in a step whose layerwise load failed "
+                        "are finished as failed (not published)",
+                        len(dropped),
+                    )
+        return original(self, transfer_tasks)
+
+    return _handle_request
+
+
 # ----------------------------------------------------------------------------------------- worker
 def _report(worker, blocks: set[int]) -> None:
     if blocks:
         with worker._invalid_block_ids_lock:
             worker._invalid_block_ids.update(blocks)
+        _drop_saves(worker, blocks)
+
+
+def _drop_saves(worker, blocks: set[int]) -> None:
+    """The requests whose loads wrote ``blocks`` compute this step on state that was never loaded:
+    mark their ReqMeta s, so that the sending thread finishes the step's save keys of those
+    requests as failed (:func:`make_send_handle`) instead of publishing them as ready. Runs in
+    ``wait_for_layer_load``, before the step's final layer is queued for saving."""
+    step = worker.__dict__.get(_STEP)
+    if step is None:
+        return
+    for req_id, loaded in step.req_blocks.items():
+        if loaded & blocks:
+            for meta in step.metas.get(req_id, ()):
+                meta.__dict__[_POISONED] = True
 
 
 def _begin_step(worker) -> _Step:
@@ -185,11 +237,16 @@ def _begin_step(worker) -> _Step:
                 step.keys.extend(task.shared_block_data.load_keys)
             builder = builders[task.group_id] if builders else recv.layer_batch_builder
             for rng in task.block_ranges:
-                step.req_ids.add(rng.request.req_id)
+                req_id = rng.request.req_id
+                step.req_ids.add(req_id)
+                metas = step.metas.setdefault(req_id, [])
+                if all(m is not rng.request for m in metas):
+                    metas.append(rng.request)
                 block_ids, _gvas = builder._require_request_arrays(rng, is_save=False)
                 wanted = {int(b) for b in block_ids[rng.start_block : rng.end_block]}
                 if rng.partial_block_index is not None:
                     wanted.add(int(block_ids[rng.partial_block_index]))
+                step.req_blocks.setdefault(req_id, set()).update(wanted - {0})
                 unloadable |= wanted - copied - {0}
     step.keys = list(dict.fromkeys(step.keys))
     step.blocks |= unloadable
@@ -414,6 +471,25 @@ def _recv_ok(original) -> str | None:
     return None
 
 
+def _send_ok(original) -> str | None:
+    problem = _expects(
+        ["self", "transfer_tasks"],
+        needs=("write_results.get(key, 0) or res", "final_layer_id", "batch_write_finish", "save_keys"),
+    )(original)
+    if problem:
+        return problem
+    fields = getattr(importlib.import_module(f"{STORE}.config_data").ReqMeta, "__annotations__", {})
+    if "save_keys" not in fields:
+        return "ReqMeta no longer has save_keys"
+    return None
+
+
+def _upstream_drops_saves(original) -> str | None:
+    if "invalid_block" in _source(original) or "load_failed" in _source(original):
+        return "KVCacheStoreLayerSendingThread drops the saves of failed loads itself"
+    return None
+
+
 def _policy_ok(original) -> str | None:
     func = getattr(original, "__func__", None)
     if not isinstance(original, staticmethod) or func is None:
@@ -436,18 +512,25 @@ def _upstream_allows_hybrid(original) -> str | None:
 
 
 
-def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=()) -> PatchSpec:
+_WHY = (
+    "failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
+    "which handles hybrid (multi-group) requests"
+)
+
+
+def _spec(
+    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK
+) -> PatchSpec:
     return PatchSpec(
         name=name,
         group=group,
         target=target,
         aliases=aliases,
         factory=factory,
-        why="failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
-        "which handles hybrid (multi-group) requests",
+        why=why,
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(precondition, RISK),
+        precondition=with_risk(precondition, risk),
         fixed_upstream=fixed,
     )
 
@@ -467,6 +550,16 @@ SPECS = (
         f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._handle_request",
         make_recv_handle,
         _recv_ok,
+    ),
+    _spec(
+        "load_fail_drop_saves",
+        f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread._handle_request",
+        make_send_handle,
+        _send_ok,
+        fixed=_upstream_drops_saves,
+        group=SAVES_GROUP,
+        why="the pool keys a request saves in a step whose layerwise load failed are finished as failed, never ready",
+        risk="keys computed from unloaded state are published as ready: every later pool hit reads them",
     ),
     _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok),
     _spec(

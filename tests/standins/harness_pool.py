@@ -1243,6 +1243,7 @@ class PoolInstance:
         self.kv_outputs: list = []
         self.steps = 0
         self.outputs: dict[str, list[int]] = {}
+        self.after_schedule = None  # callable(inst, scheduler_output): runs before the ranks execute
         self.ranks = [_Rank(self, r) for r in range(tp)]
         self.aggregator = (
             KVOutputAggregator.from_connector(self.scheduler.connector, tp) if self.scheduler.connector is not None else None
@@ -1301,6 +1302,8 @@ class PoolInstance:
         if not self.scheduler.has_requests():
             return None
         so = self.scheduler.schedule()
+        if self.after_schedule is not None:  # e.g. the pool evicts a key between hit check and load
+            self.after_schedule(self, so)
         outputs = []
         for rank in self.ranks:
             self._current_rank = rank
