@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
+import time
 
 from ..registry import APPLIED, PENDING, PatchSpec, logger
 from ._checks import with_risk
@@ -76,6 +77,7 @@ VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
 GROUP = "load_failures"
 POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
+ROLLBACK_GROUP = "load_failures_rollback"  # recompute = evict + preempt (own group: own switch)
 SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
@@ -399,6 +401,90 @@ def make_update_invalid(original):
     return _update_requests_with_invalid_blocks
 
 
+def make_handle_invalid(original):
+    """Under ``recompute``, a hybrid request rolled back by a load failure is preempted (after its
+    blocks from the rollback point on, in every group, are evicted from the prefix cache) instead of
+    only having ``num_computed_tokens`` rewound in place.
+
+    Rewinding in place keeps the request's align-mode block table (its older mamba states are null
+    blocks, so a recompute over more than one chunk runs its GDN state in the null block, shared by
+    every other request rolled back in the same step), the worker's ``mamba_state_idx``, the
+    connector's request tracker, and -- under async scheduling -- the output placeholders of the
+    step already in flight. vLLM's preemption resets all of those; resumption schedules the request
+    again from its local and pool hits. In-flight output frames are discarded the way vLLM's own
+    force-preemption (``reset_prefix_cache``) discards them: ``async_tokens_to_discard``.
+    Under ``recompute`` vLLM evicts nothing, so without the eviction the invalid blocks, and those
+    computed from them, stay cached and a later request with that prefix (or the resumed one) is
+    served them by a local hit."""
+    status = importlib.import_module("vllm.v1.request").RequestStatus
+
+    @functools.wraps(original)
+    def _handle_invalid_blocks(self, invalid_block_ids, num_scheduled_tokens):
+        failed = original(self, invalid_block_ids, num_scheduled_tokens)
+        groups = self.kv_cache_config.kv_cache_groups
+        if not failed or not self.recompute_kv_load_failures or len(groups) <= 1:
+            return failed
+        rolled = [r for r in self.running if r.request_id in failed and r.status == status.RUNNING]
+        if not rolled:
+            return failed
+        manager = self.kv_cache_manager
+        evict: set[int] = set()
+        for request in rolled:
+            point = request.num_computed_tokens  # where _update_requests_with_invalid_blocks rolled it back to
+            for group, ids in zip(groups, manager.get_block_ids(request.request_id)):
+                size = group.kv_cache_spec.block_size
+                evict.update(b for b in ids[point // size :] if b)
+        if evict:
+            manager.evict_blocks(evict)
+        now = time.monotonic()
+        for request in rolled:
+            self.running.remove(request)
+            self._preempt_request(request, now)
+            request.async_tokens_to_discard += request.num_output_placeholders
+            request.num_output_placeholders = 0
+        logger().warning(
+            "ascend_layerwise_patch: request(s) %s preempted after a failed KV load (recompute); %d block(s) "
+            "evicted from the prefix cache",
+            sorted(r.request_id for r in rolled),
+            len(evict),
+        )
+        return failed
+
+    return _handle_invalid_blocks
+
+
+def make_build_meta(original):
+    """vllm-ascend's pool scheduler handles ``preempted_req_ids`` after ``schedule()`` already
+    resumed the request (``update_state_after_alloc``): it drops the entry the resume just made and
+    then raises ("not in _unfinished_requests") on the resumed request. vLLM resumes in the next
+    ``schedule()`` a request preempted outside it (the rollback above, ``reset_prefix_cache``). For
+    those requests the preemption's cleanup runs here, before the original, keeping that entry; the
+    metadata still carries every preempted id to the workers."""
+
+    @functools.wraps(original)
+    def build_connector_meta(self, scheduler_output):
+        preempted = scheduler_output.preempted_req_ids
+        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
+        both = {r for r in (preempted or ()) if r in resumed and r in self._unfinished_requests}
+        if not both:
+            return original(self, scheduler_output)
+        for req_id in both:  # upstream's preempted cleanup, minus dropping the resumed entry
+            self._preempted_req_ids.add(req_id)
+            self._request_trackers.pop(req_id, None)
+            self._loading_req_ids.discard(req_id)
+            self._delayed_free_req_ids.discard(req_id)
+        scheduler_output.preempted_req_ids = type(preempted)(r for r in preempted if r not in both)
+        try:
+            meta = original(self, scheduler_output)
+        finally:
+            scheduler_output.preempted_req_ids = preempted
+        if getattr(meta, "preempted_req_ids", None) is not None:
+            meta.preempted_req_ids = preempted
+        return meta
+
+    return build_connector_meta
+
+
 def _group_in_force() -> bool:
     """``load_failures`` is applied in this process, or waiting for its modules (not skipped, not
     failed). The platform's config check runs long before the scheduler and pool modules are
@@ -490,6 +576,51 @@ def _upstream_drops_saves(original) -> str | None:
     return None
 
 
+def _handle_invalid_ok(original) -> str | None:
+    problem = _expects(
+        ["self", "invalid_block_ids", "num_scheduled_tokens"],
+        needs=("_update_requests_with_invalid_blocks", "recompute_kv_load_failures"),
+    )(original)
+    if problem:
+        return problem
+    sched = importlib.import_module("vllm.v1.core.sched.scheduler")
+    cls = original.__globals__.get("Scheduler", sched.Scheduler)
+    for name in ("_preempt_request", "running", "kv_cache_manager"):
+        if name not in _source(cls):
+            return f"Scheduler no longer has {name}"
+    if "async_tokens_to_discard" not in _source(importlib.import_module("vllm.v1.request").Request):
+        return "Request no longer has async_tokens_to_discard"
+    if not callable(getattr(importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager, "evict_blocks", None)):
+        return "KVCacheManager.evict_blocks is gone"
+    return None
+
+
+def _build_meta_ok(original) -> str | None:
+    return _expects(
+        ["self", "scheduler_output"],
+        needs=(
+            "for req_id in scheduler_output.preempted_req_ids",
+            "self._unfinished_requests.pop(req_id, None)",
+            "_preempted_req_ids",
+            "_request_trackers",
+            "_loading_req_ids",
+            "_delayed_free_req_ids",
+        ),
+    )(original)
+
+
+def _upstream_keeps_resumed(original) -> str | None:
+    if "resumed_req_ids" in _source(original):
+        return "KVPoolScheduler.build_connector_meta tells a preempted request from a resumed one itself"
+    return None
+
+
+def _upstream_preempts(original) -> str | None:
+    if "_preempt_request" in _source(original):
+        return "Scheduler._handle_invalid_blocks preempts the affected requests itself"
+    return None
+
+
 def _policy_ok(original) -> str | None:
     func = getattr(original, "__func__", None)
     if not isinstance(original, staticmethod) or func is None:
@@ -569,6 +700,28 @@ SPECS = (
         _policy_ok,
         fixed=_upstream_allows_hybrid,
         group=POLICY_GROUP,
+    ),
+    _spec(
+        "load_fail_rollback",
+        "vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks",
+        make_handle_invalid,
+        _handle_invalid_ok,
+        fixed=_upstream_preempts,
+        group=ROLLBACK_GROUP,
+        aliases=("vllm.v1.core.sched.scheduler:Scheduler.__base__._handle_invalid_blocks",),
+        why="a hybrid request rolled back after a failed KV load is preempted (its blocks from the rollback "
+        "point evicted from the prefix cache) instead of rewound in place",
+        risk="a rolled-back hybrid request runs its GDN state in the null block; invalid blocks stay cached",
+    ),
+    _spec(
+        "load_fail_resume_meta",
+        f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
+        make_build_meta,
+        _build_meta_ok,
+        fixed=_upstream_keeps_resumed,
+        group=ROLLBACK_GROUP,
+        why="a request preempted outside schedule() and resumed by the next one keeps its pool-scheduler state",
+        risk="the pool scheduler raises on a request preempted after a failed load and resumed",
     ),
     _spec(
         "load_fail_scheduler",

@@ -1146,6 +1146,7 @@ class PoolInstance:
         num_speculative_blocks: int = 0,
         kv_load_failure_policy: str = "fail",  # vLLM's default
         additional_config: dict | None = None,  # vllm-ascend's (``--additional-config``)
+        long_prefill_token_threshold: int = 0,  # vLLM's per-request chunk limit (0: none)
     ):
         _runtime()
         from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
@@ -1180,6 +1181,7 @@ class PoolInstance:
                     is_encoder_decoder=False,
                     enable_chunked_prefill=True,
                     async_scheduling=False,  # EngineCore.step (no batch queue)
+                    long_prefill_token_threshold=long_prefill_token_threshold,
                 ),
                 kv_transfer_config=(
                     KVTransferConfig(

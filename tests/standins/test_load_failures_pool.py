@@ -38,10 +38,12 @@ NEW = list(range(6000, 6016))  # one full block after the 32-token hit: the fail
 B_PROMPT = PROMPT[:32] + NEW + [1, 2, 3, 4, 5]
 C_PROMPT = PROMPT[:32] + NEW + list(range(7000, 7016))
 MAX_TOKENS = 3
+_ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP}
 _GROUPS = {
     "on": set(),
-    "off": {load_failures.GROUP, load_failures.SAVES_GROUP},  # the library's load-failure handling off
-    "saves_off": {load_failures.SAVES_GROUP},  # only this change off
+    "off": _ALL,  # the library's load-failure handling off
+    "saves_off": {load_failures.SAVES_GROUP},  # only the dropped saves off
+    "rollback_off": {load_failures.ROLLBACK_GROUP},  # only the preempting rollback off
 }
 
 
@@ -51,7 +53,7 @@ def _set(mode: str) -> None:
     skip = _GROUPS[mode]
     reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": ",".join(sorted(skip))} if skip else dict(os.environ))
     for st in reg.status():
-        if st.group in (load_failures.GROUP, load_failures.SAVES_GROUP):
+        if st.group in _ALL:
             assert st.state == (SKIPPED if st.group in skip else APPLIED), (st.name, st.state, st.reason)
 
 
@@ -153,3 +155,101 @@ def test_without_the_fix_the_failed_step_poisons_the_pool(library, mode):
     print(f"\n{mode}: {len(ready)} keys saved in the failed step published ready; {len(wrong)} wrong reads of C "
           f"({len(run.wrong_reads_b())} of B after its failed step)")
     assert ready and wrong
+
+
+# ------------------------------------------------------------------ rollback (load_failures_rollback)
+X = list(range(3100, 3180))
+Y = list(range(4100, 4180))
+TWO = {"b1": X[:64] + list(range(6100, 6132)), "b2": Y[:64] + list(range(7100, 7132))}
+
+
+@pytest.fixture(scope="module")
+def expected_two() -> dict[str, list[int]]:
+    inst = PoolInstance(None, name="control2")
+    reqs = [inst.add_request(r, p, max_tokens=2) for r, p in TWO.items()]
+    engine_loop(inst)
+    return {r.request_id: list(r.output_token_ids) for r in reqs}
+
+
+def _two_failing(fault: str):
+    """A (prefill in 32-token chunks) saves GDN states at 32, 64 and 80 of X and Y; B hits 64 tokens
+    of each for b1 / b2 (32 new tokens each) and both loads fail in the same step. ``evict``: every
+    GDN key of the pool goes between B's hit check and its load, so the rolled-back requests find no
+    pool hit again and recompute 0..96 in 3 chunks of 32."""
+    pool = make_pool()
+    a = PoolInstance(pool, name="A", max_num_batched_tokens=64, long_prefill_token_threshold=32)
+    a.add_request("x", X, max_tokens=1)
+    a.add_request("y", Y, max_tokens=1)
+    engine_loop(a)
+    b = PoolInstance(pool, name="B", kv_load_failure_policy="recompute", max_num_batched_tokens=64, long_prefill_token_threshold=32)
+    group = str(b.group_of[b.gdn_layers[0]])
+    is_gdn = lambda key: key.split("@")[1] == group  # noqa: E731
+    if fault == "evict":
+
+        def evict(inst, _so):
+            if inst.steps == 0:
+                assert len(pool.evict(is_gdn)) >= 4
+
+        b.after_schedule = evict
+    else:
+        pool.add_fault(fault, direction=G2L, times=2, match=is_gdn)  # the first GDN load of b1 and of b2
+    free = b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    reqs = [b.add_request(r, p, max_tokens=2) for r, p in TWO.items()]
+    engine_loop(b)
+    assert set(b.kv_outputs[0].invalid_block_ids)  # both reported in the same step
+    assert b.first_step_of("b1") == b.first_step_of("b2") == 0
+    assert pool.violations == [] and all(blob.leases == 0 for blob in pool.blobs.values())
+    assert b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    wrong = [r for r in b.wrong_reads() if r.step > 0]
+    null = [r for r in b.reads_of() if r.block_id == 0]
+    return b, reqs, wrong, null
+
+
+@pytest.mark.parametrize("fault", ["evict", "error"])
+def test_two_rolled_back_requests_never_share_a_state_block(library, expected_two, fault):
+    library("on")
+    b, reqs, wrong, null = _two_failing(fault)
+    assert wrong == [] and null == []
+    assert {r.request_id: list(r.output_token_ids) for r in reqs} == expected_two
+    if fault == "evict":  # recomputed from the start, 32 tokens per step
+        chunks = {r: len({x.step for x in b.reads_of(r, kind="attn") if x.step > 0 and x.block_index == 0} | {0}) for r in TWO}
+        assert all(n >= 3 for n in chunks.values()), chunks
+
+
+def test_rolled_back_in_place_runs_gdn_in_the_null_block(library):
+    """``load_failures_rollback`` off: the rollback rewinds ``num_computed_tokens`` in place and the
+    recompute runs its GDN state in the null block, shared by both requests."""
+    library("rollback_off")
+    _b, _reqs, wrong, _null = _two_failing("evict")
+    print(f"\nrollback_off, two requests failing in one step: {len(wrong)} wrong GDN reads after the failed step")
+    assert wrong
+
+
+def _same_prefix_right_after(mode: str):
+    """B's attention load fails for b (rolled back); d with the same 48-token prefix arrives right
+    after the failed step. B recomputes in 16-token chunks, so a local hit of d on b's blocks reads
+    blocks b has not recomputed yet."""
+    _set(mode)
+    pool = make_pool()
+    a = PoolInstance(pool, name="A")
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    b = PoolInstance(pool, name="B", kv_load_failure_policy="recompute", long_prefill_token_threshold=16)
+    group = str(b.group_of[b.attn_layers[0]])
+    pool.add_fault("error", direction=G2L, times=1, match=lambda key: key.split("@")[1] == group)
+    b.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS)
+
+    def after(inst, _so):
+        if inst.steps == 1:
+            inst.add_request("d", B_PROMPT[:48] + [9, 9, 9], max_tokens=1)
+
+    engine_loop(b, on_step=after)
+    assert b.reads_of("d", kind="attn")
+    return [r for kind in ("gdn", "attn") for r in b.wrong_reads("d", kind=kind)]
+
+
+def test_same_prefix_right_after_the_rollback_reads_no_invalid_block(library):
+    assert _same_prefix_right_after("on") == []
+    off = _same_prefix_right_after("rollback_off")
+    print(f"\nrollback_off: {len(off)} wrong reads of d (same prefix, right after b's rollback)")
+    assert off
