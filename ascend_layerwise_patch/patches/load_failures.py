@@ -86,6 +86,8 @@ RISK = "failed or late layerwise loads are computed on without telling vLLM (wro
 _FAILED_COPY = "_ascend_layerwise_patch_failed_copy"  # thread: result of the copy being handled
 _RECV = "_ascend_layerwise_patch_recv"  # thread: _Recv
 _STEP = "_ascend_layerwise_patch_load_step"  # worker: _Step
+_TAINTED = "_ascend_layerwise_patch_tainted"  # worker: req ids computing on a failed load until preempted
+_FRAMES = "_ascend_layerwise_patch_frames"  # request: [(a step's num_scheduled_tokens, frames it samples)]
 _POISONED = "_ascend_layerwise_patch_load_failed"  # a step's ReqMeta: its load failed, drop its saves
 DROPPED = -1  #: the write result a save of a failed-load request is finished with (non-zero: failed)
 
@@ -219,6 +221,30 @@ def _drop_saves(worker, blocks: set[int]) -> None:
         if loaded & blocks:
             for meta in step.metas.get(req_id, ()):
                 meta.__dict__[_POISONED] = True
+            # under async scheduling the next step is already scheduled on this state: taint the
+            # request until the scheduler's preemption of it reaches this worker (make_start_load_kv)
+            worker.__dict__.setdefault(_TAINTED, set()).add(req_id)
+
+
+def make_start_load_kv(original):
+    """A request whose load failed keeps computing on the unloaded state in every step scheduled
+    before the scheduler rolled it back (async scheduling: the next step is in flight): its saves
+    there are dropped too, until its preemption (``load_failures_rollback``) or end reaches the worker."""
+
+    @functools.wraps(original)
+    def start_load_kv(self, metadata):
+        tainted = self.__dict__.get(_TAINTED)
+        if tainted:
+            tainted -= set(getattr(metadata, "preempted_req_ids", None) or ())
+            unfinished = getattr(metadata, "unfinished_request_ids", None)
+            if unfinished is not None:
+                tainted &= set(unfinished)
+            for meta in getattr(metadata, "requests", ()):
+                if meta.req_id in tainted:
+                    meta.__dict__[_POISONED] = True
+        return original(self, metadata)
+
+    return start_load_kv
 
 
 def _begin_step(worker) -> _Step:
@@ -387,6 +413,9 @@ def make_update_invalid(original):
             req_id = request.request_id
             block_ids = self.kv_cache_manager.get_block_ids(req_id)
             computed = request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)
+            recorded = _as_scheduled(request, num_scheduled_tokens)  # async: as the failed step saw it
+            if recorded is not None:
+                computed, block_ids = recorded
             point = _resume_point(specs, block_ids, invalid_block_ids, computed, mamba_cls)
             if point is None:
                 continue
@@ -438,9 +467,10 @@ def make_handle_invalid(original):
             manager.evict_blocks(evict)
         now = time.monotonic()
         for request in rolled:
+            in_flight = _frames_after(request, num_scheduled_tokens)
             self.running.remove(request)
             self._preempt_request(request, now)
-            request.async_tokens_to_discard += request.num_output_placeholders
+            request.async_tokens_to_discard += in_flight
             request.num_output_placeholders = 0
         logger().warning(
             "ascend_layerwise_patch: request(s) %s preempted after a failed KV load (recompute); %d block(s) "
@@ -451,6 +481,51 @@ def make_handle_invalid(original):
         return failed
 
     return _handle_invalid_blocks
+
+
+def _frames_after(request, num_scheduled_tokens) -> int:
+    """Output frames of ``request`` still in flight after the step being updated (the one whose
+    ``num_scheduled_tokens`` this is): those of the steps scheduled after it. That step's own frame
+    is not among them: update_from_output skips a failed request, so its placeholder is never
+    counted down -- discarding ``num_output_placeholders`` frames would drop a good token later.
+    Without a record of the step (sync scheduling: no placeholders), the placeholders."""
+    log = request.__dict__.get(_FRAMES) or []
+    for i, entry in enumerate(log):
+        if entry[0] is num_scheduled_tokens:
+            return sum(later[1] for later in log[i + 1 :])
+    return request.num_output_placeholders
+
+
+def _as_scheduled(request, num_scheduled_tokens):
+    """(tokens computed before, block ids) of ``request`` when the step being updated was scheduled,
+    if recorded (async scheduling: a later step may have advanced it since, and align mode may have
+    freed the mamba state block the failed load wrote); else None."""
+    for entry in request.__dict__.get(_FRAMES) or ():
+        if entry[0] is num_scheduled_tokens:
+            return entry[2], entry[3]
+    return None
+
+
+def make_async_after_schedule(original):
+    """AsyncScheduler: note, per request, each scheduled step and the output frames it adds
+    (the placeholders), so that a rollback knows which of them are still in flight."""
+
+    @functools.wraps(original)
+    def _update_after_schedule(self, scheduler_output):
+        before = {
+            r: (self.requests[r].num_output_placeholders, self.requests[r].num_computed_tokens)
+            for r in scheduler_output.num_scheduled_tokens
+        }
+        result = original(self, scheduler_output)
+        for req_id, (was, start) in before.items():
+            request = self.requests[req_id]
+            log = request.__dict__.setdefault(_FRAMES, [])
+            blocks = tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
+            log.append((scheduler_output.num_scheduled_tokens, request.num_output_placeholders - was, start, blocks))
+            del log[:-4]  # at most the batch queue's depth is ever in flight
+        return result
+
+    return _update_after_schedule
 
 
 def make_build_meta(original):
@@ -615,6 +690,15 @@ def _upstream_keeps_resumed(original) -> str | None:
     return None
 
 
+def _upstream_preempts_frames(_original) -> str | None:
+    return _upstream_preempts(importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler._handle_invalid_blocks)
+
+
+def _upstream_drops_later_saves(_original) -> str | None:
+    thread = importlib.import_module(f"{STORE}.kv_transfer").KVCacheStoreLayerSendingThread
+    return _upstream_drops_saves(vars(thread)["_handle_request"])
+
+
 def _upstream_preempts(original) -> str | None:
     if "_preempt_request" in _source(original):
         return "Scheduler._handle_invalid_blocks preempts the affected requests itself"
@@ -692,6 +776,16 @@ SPECS = (
         why="the pool keys a request saves in a step whose layerwise load failed are finished as failed, never ready",
         risk="keys computed from unloaded state are published as ready: every later pool hit reads them",
     ),
+    _spec(
+        "load_fail_drop_later_saves",
+        f"{STORE}.pool_worker:KVPoolWorker.start_load_kv",
+        make_start_load_kv,
+        _expects(["self", "metadata"], needs=("process_layer_data",)),
+        fixed=_upstream_drops_later_saves,
+        group=SAVES_GROUP,
+        why="a request whose load failed saves nothing until its rollback reaches the worker (async scheduling)",
+        risk="keys computed from unloaded state in the step after the failure are published as ready",
+    ),
     _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok),
     _spec(
         "load_fail_policy",
@@ -712,6 +806,16 @@ SPECS = (
         why="a hybrid request rolled back after a failed KV load is preempted (its blocks from the rollback "
         "point evicted from the prefix cache) instead of rewound in place",
         risk="a rolled-back hybrid request runs its GDN state in the null block; invalid blocks stay cached",
+    ),
+    _spec(
+        "load_fail_rollback_frames",
+        "vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
+        make_async_after_schedule,
+        _expects(["self", "scheduler_output"], needs=("num_output_placeholders",)),
+        fixed=_upstream_preempts_frames,
+        group=ROLLBACK_GROUP,
+        why="the rollback knows how many output frames of a failed request are still in flight",
+        risk="under async scheduling a token computed on a failed load is delivered, or a good one dropped",
     ),
     _spec(
         "load_fail_resume_meta",

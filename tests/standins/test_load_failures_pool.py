@@ -37,6 +37,11 @@ PROMPT = list(range(3000, 3040))
 NEW = list(range(6000, 6016))  # one full block after the 32-token hit: the failed step saves it
 B_PROMPT = PROMPT[:32] + NEW + [1, 2, 3, 4, 5]
 C_PROMPT = PROMPT[:32] + NEW + list(range(7000, 7016))
+#: async scheduling: B prefills in 16-token chunks, so the step after the failed one (scheduled before
+#: the failure is known, 48..64) saves a full block computed on the failed state too
+NEW_ASYNC = list(range(6000, 6032))
+B_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + [1, 2, 3, 4, 5]
+C_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + list(range(7000, 7016))
 MAX_TOKENS = 3
 _ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP}
 _GROUPS = {
@@ -68,6 +73,8 @@ def expected() -> dict[str, list[int]]:
     """Tokens of runs without any pool (vLLM's own prefix caching only)."""
     inst = PoolInstance(None, name="control")
     reqs = [inst.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS), inst.add_request("c", C_PROMPT, max_tokens=2)]
+    reqs += [inst.add_request("b_async", B_PROMPT_ASYNC, max_tokens=MAX_TOKENS)]
+    reqs += [inst.add_request("c_async", C_PROMPT_ASYNC, max_tokens=2)]
     engine_loop(inst)
     assert inst.wrong_reads() == [] and inst.wrong_reads(kind="attn") == []
     return {r.request_id: list(r.output_token_ids) for r in reqs}
@@ -76,12 +83,16 @@ def expected() -> dict[str, list[int]]:
 class Run:
     """A fills the pool, B's first GDN load fails (``fault``), then C hits the same prefix."""
 
-    def __init__(self, fault: str, policy: str = "recompute"):
+    def __init__(self, fault: str, policy: str = "recompute", scheduling: str = "sync"):
+        asy = scheduling == "async"
+        b_prompt, c_prompt = (B_PROMPT_ASYNC, C_PROMPT_ASYNC) if asy else (B_PROMPT, C_PROMPT)
         self.pool = pool = make_pool()
         a = PoolInstance(pool, name="A")
         a.add_request("a", PROMPT, max_tokens=1)
         engine_loop(a)
-        self.b = b = PoolInstance(pool, name="B", kv_load_failure_policy=policy)
+        self.b = b = PoolInstance(
+            pool, name="B", kv_load_failure_policy=policy, async_scheduling=asy, long_prefill_token_threshold=16 if asy else 0
+        )
         group = str(b.group_of[b.gdn_layers[0]])
         is_gdn = lambda key: key.split("@")[1] == group  # noqa: E731
         self.fault = None
@@ -95,27 +106,32 @@ class Run:
         else:
             self.fault = pool.add_fault(fault, direction=G2L, times=1, match=is_gdn)
         self.free_at_start = b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        self.req_b = b.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS)
+        self.req_b = b.add_request("b", b_prompt, max_tokens=MAX_TOKENS)
         before = dict(pool.blobs)
         self.failed_step_keys: dict = {}
 
+        #: executed batches on the failed state (async: the next one too, scheduled before the report)
+        self.computed_on_failure = computed_on_failure = 2 if asy else 1
+
         def after(inst, _so):
-            if inst.steps == 1:  # the keys B's failed step allocated (and saved)
+            if inst.steps == computed_on_failure:  # the keys those batches allocated (and saved)
                 self.failed_step_keys = {k: blob for k, blob in pool.blobs.items() if before.get(k) is not blob}
-                if self.fault is not None:
-                    self.fault.gate.set()
+            if inst.steps >= 1 and self.fault is not None:
+                self.fault.gate.set()
 
         engine_loop(b, on_step=after)
         self.c = c = PoolInstance(pool, name="C")
-        self.req_c = c.add_request("c", C_PROMPT, max_tokens=2)
+        self.req_c = c.add_request("c", c_prompt, max_tokens=2)
         engine_loop(c)
 
     def ready_failed_step_keys(self) -> list[str]:
         return [k for k, blob in self.failed_step_keys.items() if blob.state == "ready"]
 
     def wrong_reads_b(self) -> list:
-        """B's reads after its failed step (the failed step's own reads are what failed)."""
-        return [r for kind in ("gdn", "attn") for r in self.b.wrong_reads("b", kind=kind) if r.step > 0]
+        """B's reads after the batches computed on the failed load (their outputs are discarded)."""
+        return [
+            r for kind in ("gdn", "attn") for r in self.b.wrong_reads("b", kind=kind) if r.step >= self.computed_on_failure
+        ]
 
     def wrong_reads_c(self) -> list:
         return [r for kind in ("gdn", "attn") for r in self.c.wrong_reads("c", kind=kind)]
@@ -128,31 +144,35 @@ class Run:
         assert self.b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == self.free_at_start  # no leak
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("fault", ["error", "raise", "gate", "evict"])
-def test_failed_step_saves_are_never_published(library, expected, monkeypatch, fault):
+def test_failed_step_saves_are_never_published(library, expected, monkeypatch, fault, scheduling):
     library("on")
     monkeypatch.setattr(load_failures, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
-    run = Run(fault)
+    run = Run(fault, scheduling=scheduling)
+    sfx = "_async" if scheduling == "async" else ""
     assert run.fault is None or run.fault.hits == 1
     assert run.b.kv_outputs[0].invalid_block_ids  # reported in the failed step
     assert run.failed_step_keys  # the failed step did save (a full block of each group)
     assert run.ready_failed_step_keys() == []
     assert run.wrong_reads_b() == [] and run.wrong_reads_c() == []
-    assert list(run.req_b.output_token_ids) == expected["b"]
-    assert list(run.req_c.output_token_ids) == expected["c"]
+    # token by token as without the pool, no extra token (async: none from the step after the failure)
+    assert list(run.req_b.output_token_ids) == expected["b" + sfx]
+    assert list(run.req_c.output_token_ids) == expected["c" + sfx]
     assert run.req_b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     run.check_clean_end()
 
 
 @pytest.mark.parametrize("mode", ["off", "saves_off"])
-def test_without_the_fix_the_failed_step_poisons_the_pool(library, mode):
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_without_the_fix_the_failed_step_poisons_the_pool(library, mode, scheduling):
     """The library's load-failure handling off (vllm-ascend as released, policy ``fail`` since it
     refuses ``recompute`` for hybrids), or only ``load_failures_saves`` off: B's failed step
     publishes its keys, and C computes on them."""
     library(mode)
-    run = Run("error", policy="fail" if mode == "off" else "recompute")
+    run = Run("error", policy="fail" if mode == "off" else "recompute", scheduling=scheduling)
     ready, wrong = run.ready_failed_step_keys(), run.wrong_reads_c()
-    print(f"\n{mode}: {len(ready)} keys saved in the failed step published ready; {len(wrong)} wrong reads of C "
+    print(f"\n{mode}, {scheduling}: {len(ready)} keys saved in the failed step published ready; {len(wrong)} wrong reads of C "
           f"({len(run.wrong_reads_b())} of B after its failed step)")
     assert ready and wrong
 
@@ -253,3 +273,13 @@ def test_same_prefix_right_after_the_rollback_reads_no_invalid_block(library):
     off = _same_prefix_right_after("rollback_off")
     print(f"\nrollback_off: {len(off)} wrong reads of d (same prefix, right after b's rollback)")
     assert off
+
+
+def test_async_rollback_in_place_computes_on_wrong_state(library):
+    """Async scheduling, ``load_failures_rollback`` off: the in-place rewind keeps the align layout,
+    and the resumed prefill of b reads GDN states that are not its own."""
+    library("rollback_off")
+    run = Run("error", scheduling="async")
+    wrong = run.wrong_reads_b()
+    print(f"\nrollback_off, async: {len(wrong)} wrong reads of b after the batches computed on the failure")
+    assert wrong
