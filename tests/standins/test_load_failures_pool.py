@@ -43,12 +43,13 @@ NEW_ASYNC = list(range(6000, 6032))
 B_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + [1, 2, 3, 4, 5]
 C_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + list(range(7000, 7016))
 MAX_TOKENS = 3
-_ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP}
+_ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP, load_failures.RESUME_LOAD_GROUP}
 _GROUPS = {
     "on": set(),
     "off": _ALL,  # the library's load-failure handling off
     "saves_off": {load_failures.SAVES_GROUP},  # only the dropped saves off
     "rollback_off": {load_failures.ROLLBACK_GROUP},  # only the preempting rollback off
+    "resume_load_off": {load_failures.RESUME_LOAD_GROUP},
 }
 
 
@@ -283,3 +284,33 @@ def test_async_rollback_in_place_computes_on_wrong_state(library):
     wrong = run.wrong_reads_b()
     print(f"\nrollback_off, async: {len(wrong)} wrong reads of b after the batches computed on the failure")
     assert wrong
+
+
+# ------------------------------------------------------------------ cost (mamba_pool_resume_load)
+def _mamba_g2l_on_a_16_block_hit(mode: str) -> tuple[dict[str, int], int]:
+    """A prefills 16 blocks + 5 tokens in 4-block chunks (GDN states saved at 64, 128, 192, 256);
+    B hits all 16 blocks. Returns B's G2L bytes per GDN-group key, and the size of one key."""
+    _set(mode)
+    prompt = list(range(8000, 8000 + 16 * 16 + 5))
+    pool = make_pool()
+    a = PoolInstance(pool, name="A", max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    a.add_request("a", prompt, max_tokens=1)
+    engine_loop(a)
+    b = PoolInstance(pool, name="B")
+    group = str(b.group_of[b.gdn_layers[0]])
+    pool.key_bytes[G2L].clear()
+    b.add_request("b", prompt[:256] + [1, 2, 3], max_tokens=1)
+    engine_loop(b)
+    assert b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
+    assert b.reads_of("b")[0].expected == 256  # resumed from the pool at the 16th block
+    read = {k: n for k, n in pool.key_bytes[G2L].items() if k.split("@")[1] == group}
+    return read, max(len(pool.blobs[k].data) for k in read)
+
+
+def test_a_pool_hit_loads_only_the_mamba_state_it_resumes_from(library):
+    read, size = _mamba_g2l_on_a_16_block_hit("on")
+    assert len(read) == 1 and sum(read.values()) == size  # one state per GDN layer of this rank
+    off, _ = _mamba_g2l_on_a_16_block_hit("resume_load_off")
+    print(f"\nmamba-group G2L on a 16-block hit: {sum(read.values())} bytes ({len(read)} key) on, "
+          f"{sum(off.values())} bytes ({len(off)} keys) with mamba_pool_resume_load off")
+    assert len(off) == 4 and sum(off.values()) == 4 * size
