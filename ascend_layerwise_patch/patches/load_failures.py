@@ -55,6 +55,30 @@ Policy   Use ``kv_load_failure_policy: recompute`` with a layerwise pool (vLLM's
 Residual A copy already inside MemCache when the wait gives up cannot be recalled; it may still
          write into the request's blocks. Under ``recompute`` those blocks stay with the request
          and receive the same bytes; under ``fail`` they are freed and may be reused meanwhile.
+Saves    (group ``load_failures_saves``) The failed step still computes from the unloaded state
+         and saves its new blocks, every group's (the chunk-end GDN state included); the layer
+         sending thread would finish them as ready at the final layer (send_integrity cannot see it:
+         every slot was written). The worker marks the step's ReqMeta s of requests whose loads
+         failed; the sending thread's final layer gives their save keys a failed result before
+         upstream's finish (in the thread: no race on ``write_results``). Under async scheduling the
+         next step is already scheduled on the failed state: the request stays marked in later steps
+         until its preemption (or end) reaches the worker. Keys ready from earlier steps are untouched.
+Rollback (group ``load_failures_rollback``) Rewinding ``num_computed_tokens`` in place keeps the
+         align-mode block table (the recompute's GDN state runs in the null block whenever the
+         resume point's chunk has a null state block, shared with every request rolled back in the
+         same step), the worker's ``mamba_state_idx``, the connector's RequestTracker and, under async
+         scheduling, the placeholders of the step in flight; under ``recompute`` vLLM evicts nothing,
+         so a later local hit is served the invalid blocks and those computed from them. Instead,
+         after the rollback point is found, the request's blocks from there on are evicted from the
+         prefix cache and the request is preempted (vLLM's own reset; it resumes from its local and
+         pool hits); in-flight frames are discarded as ``reset_prefix_cache`` does, counting only the
+         steps scheduled after the failed one (``AsyncScheduler._update_after_schedule`` records them,
+         with the block table each step saw: align mode may free the loaded state block before the
+         failed step's output is handled). vllm-ascend's pool scheduler dropped (and then raised on) a
+         request preempted outside ``schedule()`` and resumed by the next one: kept.
+Cost     (group ``mamba_pool_resume_load``, vllm-ascend 0.25.1rc1) a pool hit looked up every block
+         of the range and copied each intermediate mamba state into the null block: mamba_pool_hit's
+         0.26 member (null blocks neither looked up, leased nor loaded) applies here too.
 Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-ascend reports
          failed layerwise loads itself (detected per half: the scheduler spec skips itself when
          ``_update_requests_with_invalid_blocks`` no longer unpacks one group; the worker specs
