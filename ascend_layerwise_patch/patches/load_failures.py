@@ -486,9 +486,14 @@ def make_handle_invalid(original):
         evict: set[int] = set()
         for request in rolled:
             point = request.num_computed_tokens  # where _update_requests_with_invalid_blocks rolled it back to
-            for group, ids in zip(groups, manager.get_block_ids(request.request_id)):
-                size = group.kv_cache_spec.block_size
-                evict.update(b for b in ids[point // size :] if b)
+            tables = [manager.get_block_ids(request.request_id)]
+            recorded = _as_scheduled(request, num_scheduled_tokens)
+            if recorded is not None:  # async: blocks the failed step held that align mode freed since
+                tables.append(recorded[1])
+            for table in tables:
+                for group, ids in zip(groups, table):
+                    size = group.kv_cache_spec.block_size
+                    evict.update(b for b in ids[point // size :] if b)
         if evict:
             manager.evict_blocks(evict)
         now = time.monotonic()
@@ -528,7 +533,7 @@ def _as_scheduled(request, num_scheduled_tokens):
     freed the mamba state block the failed load wrote); else None."""
     for entry in request.__dict__.get(_FRAMES) or ():
         if entry[0] is num_scheduled_tokens:
-            return entry[2], entry[3]
+            return None if entry[3] is None else (entry[2], entry[3])
     return None
 
 
@@ -543,10 +548,15 @@ def make_async_after_schedule(original):
             for r in scheduler_output.num_scheduled_tokens
         }
         result = original(self, scheduler_output)
+        # only a new or resumed request loads from the pool: only their block tables are kept
+        loading = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        loading.update(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
         for req_id, (was, start) in before.items():
             request = self.requests[req_id]
             log = request.__dict__.setdefault(_FRAMES, [])
-            blocks = tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
+            blocks = None
+            if req_id in loading:
+                blocks = tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
             log.append((scheduler_output.num_scheduled_tokens, request.num_output_placeholders - was, start, blocks))
             del log[:-4]  # at most the batch queue's depth is ever in flight
         return result
