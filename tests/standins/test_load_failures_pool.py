@@ -42,6 +42,7 @@ C_PROMPT = PROMPT[:32] + NEW + list(range(7000, 7016))
 NEW_ASYNC = list(range(6000, 6032))
 B_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + [1, 2, 3, 4, 5]
 C_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + list(range(7000, 7016))
+E_PROMPT = list(range(5000, 5021))  # another request in B's batch, nothing in the pool
 MAX_TOKENS = 3
 _ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP, load_failures.RESUME_LOAD_GROUP}
 _GROUPS = {
@@ -76,6 +77,7 @@ def expected() -> dict[str, list[int]]:
     reqs = [inst.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS), inst.add_request("c", C_PROMPT, max_tokens=2)]
     reqs += [inst.add_request("b_async", B_PROMPT_ASYNC, max_tokens=MAX_TOKENS)]
     reqs += [inst.add_request("c_async", C_PROMPT_ASYNC, max_tokens=2)]
+    reqs += [inst.add_request("e", E_PROMPT, max_tokens=MAX_TOKENS)]
     engine_loop(inst)
     assert inst.wrong_reads() == [] and inst.wrong_reads(kind="attn") == []
     return {r.request_id: list(r.output_token_ids) for r in reqs}
@@ -84,7 +86,7 @@ def expected() -> dict[str, list[int]]:
 class Run:
     """A fills the pool, B's first GDN load fails (``fault``), then C hits the same prefix."""
 
-    def __init__(self, fault: str, policy: str = "recompute", scheduling: str = "sync"):
+    def __init__(self, fault: str, policy: str = "recompute", scheduling: str = "sync", with_other: bool = False):
         asy = scheduling == "async"
         b_prompt, c_prompt = (B_PROMPT_ASYNC, C_PROMPT_ASYNC) if asy else (B_PROMPT, C_PROMPT)
         self.pool = pool = make_pool()
@@ -108,6 +110,7 @@ class Run:
             self.fault = pool.add_fault(fault, direction=G2L, times=1, match=is_gdn)
         self.free_at_start = b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         self.req_b = b.add_request("b", b_prompt, max_tokens=MAX_TOKENS)
+        self.req_e = b.add_request("e", E_PROMPT, max_tokens=MAX_TOKENS) if with_other else None
         before = dict(pool.blobs)
         self.failed_step_keys: dict = {}
 
@@ -126,7 +129,11 @@ class Run:
         engine_loop(c)
 
     def ready_failed_step_keys(self) -> list[str]:
-        return [k for k, blob in self.failed_step_keys.items() if blob.state == "ready"]
+        """Keys of b saved in the batches computed on its failed load that are ready."""
+        from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_worker
+
+        b_hashes = {pool_worker.block_hash_to_str(h) for h in self.req_b.block_hashes}
+        return [k for k, blob in self.failed_step_keys.items() if blob.state == "ready" and k.split("@")[2] in b_hashes]
 
     def wrong_reads_b(self) -> list:
         """B's reads after the batches computed on the failed load (their outputs are discarded)."""
@@ -344,3 +351,15 @@ def test_a_pool_hit_loads_only_the_mamba_state_it_resumes_from(library):
     print(f"\nmamba-group G2L on a 16-block hit: {sum(read.values())} bytes ({len(read)} key) on, "
           f"{sum(off.values())} bytes ({len(off)} keys) with mamba_pool_resume_load off")
     assert len(off) == 4 and sum(off.values()) == 4 * size
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_fail_policy_ends_only_that_request(library, expected, scheduling):
+    library("on")
+    run = Run("error", policy="fail", scheduling=scheduling, with_other=True)
+    assert run.req_b.status == RequestStatus.FINISHED_ERROR
+    assert run.req_e.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert list(run.req_e.output_token_ids) == expected["e"]
+    assert run.b.wrong_reads("e") == [] and run.b.wrong_reads("e", kind="attn") == []
+    assert run.ready_failed_step_keys() == [] and run.wrong_reads_c() == []
+    run.check_clean_end()
