@@ -103,8 +103,8 @@ VLLM_ASCEND = ">=0.25.1,<0.26"
 GROUP = "load_failures"
 POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
 ROLLBACK_GROUP = "load_failures_rollback"  # recompute = evict + preempt (own group: own switch)
-SAVES_GROUP = "load_failures_saves"
-RESUME_LOAD_GROUP = "mamba_pool_resume_load"  # 0.25.1rc1: a pool hit loads only the state it resumes from  # a failed step's saves are finished failed (own group: own switch)
+SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
+RESUME_LOAD_GROUP = "mamba_pool_resume_load"  # 0.25.1rc1: a pool hit loads only the state it resumes from
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
