@@ -182,6 +182,37 @@ imports nothing heavy at import time (factories import their targets' neighbours
             0.26.0rc1 stops the engine on a failed hybrid load by design (no silent wrong tokens).
    Remove:  when both halves are fixed upstream (each detected: those specs skip themselves).
 
+** load_failures_saves ** (``load_failures.py``, its own group)
+   Target:  ascend_store.pool_worker.KVCacheStoreLayerSendingThread._handle_request;
+            KVPoolWorker.start_load_kv.
+   Why:     the step whose load failed still computes on the unloaded state and saves its new blocks
+            (every group, the chunk-end GDN state included); the sending thread finishes them as ready
+            at the final layer and every later hit on that prefix, on any instance, loads them.
+   How:     load_failures marks the ReqMeta s of the requests whose loads failed (and, for the steps
+            already scheduled on that state under async scheduling, the request until its preemption
+            reaches the worker); at the final layer the thread gives their save keys a failed result
+            before upstream's finish.
+   Remove:  when the sending thread drops the saves of failed loads itself (detected).
+
+** load_failures_rollback ** (``load_failures.py``, its own group)
+   Target:  vllm.v1.core.sched.scheduler.Scheduler._handle_invalid_blocks;
+            AsyncScheduler._update_after_schedule; KVPoolScheduler.build_connector_meta.
+   Why:     the in-place rewind keeps the align layout (a recompute over several chunks runs GDN in
+            the null block, shared by every request rolled back in the same step), the worker's
+            mamba_state_idx, the connector's tracker and async placeholders; under recompute the
+            invalid blocks stay cached for local hits.
+   How:     evict the request's blocks from the rollback point on, then preempt it (vLLM's own
+            reset), discarding only the output frames in flight after the failed step; the pool
+            scheduler keeps a request preempted outside schedule() and resumed by the next one.
+   Remove:  when vLLM's invalid-block handling preempts itself (detected).
+
+** mamba_pool_resume_load ** (``load_failures.py``, its own group; vllm-ascend 0.25.1rc1)
+   Target:  ascend_store.pool_worker.KVPoolWorker._prepare_load_gvas.
+   Why:     a pool hit looks up every block of the range and loads each intermediate chunk-end mamba
+            state that exists into the null block (cost; the null block is shared).
+   How:     mamba_pool_hit's 0.26 member (null_loads_present) on 0.25.1rc1: null mamba blocks are not
+            looked up, leased or loaded.
+
 ** load_failures_policy ** (``load_failures.py``, its own group)
    Target:  vllm_ascend.platform.NPUPlatform._validate_kv_load_failure_policy.
    Why:     vllm-ascend's config check refuses kv_load_failure_policy=recompute for hybrid models;

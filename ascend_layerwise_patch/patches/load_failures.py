@@ -55,6 +55,30 @@ Policy   Use ``kv_load_failure_policy: recompute`` with a layerwise pool (vLLM's
 Residual A copy already inside MemCache when the wait gives up cannot be recalled; it may still
          write into the request's blocks. Under ``recompute`` those blocks stay with the request
          and receive the same bytes; under ``fail`` they are freed and may be reused meanwhile.
+Saves    (group ``load_failures_saves``) The failed step still computes from the unloaded state
+         and saves its new blocks, every group's (the chunk-end GDN state included); the layer
+         sending thread would finish them as ready at the final layer (send_integrity cannot see it:
+         every slot was written). The worker marks the step's ReqMeta s of requests whose loads
+         failed; the sending thread's final layer gives their save keys a failed result before
+         upstream's finish (in the thread: no race on ``write_results``). Under async scheduling the
+         next step is already scheduled on the failed state: the request stays marked in later steps
+         until its preemption (or end) reaches the worker. Keys ready from earlier steps are untouched.
+Rollback (group ``load_failures_rollback``) Rewinding ``num_computed_tokens`` in place keeps the
+         align-mode block table (the recompute's GDN state runs in the null block whenever the
+         resume point's chunk has a null state block, shared with every request rolled back in the
+         same step), the worker's ``mamba_state_idx``, the connector's RequestTracker and, under async
+         scheduling, the placeholders of the step in flight; under ``recompute`` vLLM evicts nothing,
+         so a later local hit is served the invalid blocks and those computed from them. Instead,
+         after the rollback point is found, the request's blocks from there on are evicted from the
+         prefix cache and the request is preempted (vLLM's own reset; it resumes from its local and
+         pool hits); in-flight frames are discarded as ``reset_prefix_cache`` does, counting only the
+         steps scheduled after the failed one (``AsyncScheduler._update_after_schedule`` records them,
+         with the block table each step saw: align mode may free the loaded state block before the
+         failed step's output is handled). vllm-ascend's pool scheduler dropped (and then raised on) a
+         request preempted outside ``schedule()`` and resumed by the next one: kept.
+Cost     (group ``mamba_pool_resume_load``, vllm-ascend 0.25.1rc1) a pool hit looked up every block
+         of the range and copied each intermediate mamba state into the null block: mamba_pool_hit's
+         0.26 member (null blocks neither looked up, leased nor loaded) applies here too.
 Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-ascend reports
          failed layerwise loads itself (detected per half: the scheduler spec skips itself when
          ``_update_requests_with_invalid_blocks`` no longer unpacks one group; the worker specs
@@ -66,8 +90,10 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
+import time
 
 from ..registry import APPLIED, PENDING, PatchSpec, logger
+from . import mamba_pool_hit as _pool_hit
 from ._checks import with_risk
 from ._checks import expects as _expects
 from ._checks import source as _source
@@ -76,6 +102,9 @@ VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
 GROUP = "load_failures"
 POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
+ROLLBACK_GROUP = "load_failures_rollback"  # recompute = evict + preempt (own group: own switch)
+SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
+RESUME_LOAD_GROUP = "mamba_pool_resume_load"  # 0.25.1rc1: a pool hit loads only the state it resumes from
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
@@ -83,6 +112,10 @@ RISK = "failed or late layerwise loads are computed on without telling vLLM (wro
 _FAILED_COPY = "_ascend_layerwise_patch_failed_copy"  # thread: result of the copy being handled
 _RECV = "_ascend_layerwise_patch_recv"  # thread: _Recv
 _STEP = "_ascend_layerwise_patch_load_step"  # worker: _Step
+_TAINTED = "_ascend_layerwise_patch_tainted"  # worker: req ids computing on a failed load until preempted
+_FRAMES = "_ascend_layerwise_patch_frames"  # request: [(a step's num_scheduled_tokens, frames it samples)]
+_POISONED = "_ascend_layerwise_patch_load_failed"  # a step's ReqMeta: its load failed, drop its saves
+DROPPED = -1  #: the write result a save of a failed-load request is finished with (non-zero: failed)
 
 
 class _Recv:
@@ -104,13 +137,15 @@ class _Recv:
 class _Step:
     """The worker's view of this step's loads."""
 
-    __slots__ = ("blocks", "req_ids", "keys", "late")
+    __slots__ = ("blocks", "req_ids", "keys", "late", "metas", "req_blocks")
 
     def __init__(self) -> None:
         self.blocks: set[int] = set()
         self.req_ids: set[str] = set()
         self.keys: list[str] = []
         self.late = False  # a wait timed out; the receiving thread may still run an old copy
+        self.metas: dict[str, list] = {}  # req id -> this step's ReqMeta(s) (its saves are read from them)
+        self.req_blocks: dict[str, set[int]] = {}  # req id -> blocks its loads write
 
 
 def _recv(thread) -> _Recv:
@@ -160,11 +195,82 @@ def make_recv_handle(original):
     return _handle_request
 
 
+def make_send_handle(original):
+    """The layer sending thread: at the step's final layer (where upstream finishes every save key
+    with ``write_results.get(key, 0) or res``), the save keys of requests whose load failed this
+    step get a failed result first, so they are finished as failed, never ready. In the thread
+    itself, before upstream's finish: no race with its own ``write_results`` updates."""
+
+    @functools.wraps(original)
+    def _handle_request(self, transfer_tasks):
+        if isinstance(transfer_tasks, list) and transfer_tasks:
+            first = transfer_tasks[0]
+            if getattr(first, "layer_id", None) == self.final_layer_id:
+                dropped: dict[str, None] = {}
+                for task in transfer_tasks:
+                    for rng in getattr(task, "block_ranges", ()):
+                        meta = rng.request
+                        if meta.__dict__.get(_POISONED) and meta.save_keys:
+                            dropped.update(dict.fromkeys(meta.save_keys))
+                if dropped:
+                    results = self.write_results
+                    for key in dropped:
+                        if not results.get(key):
+                            results[key] = DROPPED
+                    logger().warning(
+                        "ascend_layerwise_patch: %d pool key(s) saved in a step whose layerwise load failed "
+                        "are finished as failed (not published)",
+                        len(dropped),
+                    )
+        return original(self, transfer_tasks)
+
+    return _handle_request
+
+
 # ----------------------------------------------------------------------------------------- worker
 def _report(worker, blocks: set[int]) -> None:
     if blocks:
         with worker._invalid_block_ids_lock:
             worker._invalid_block_ids.update(blocks)
+        _drop_saves(worker, blocks)
+
+
+def _drop_saves(worker, blocks: set[int]) -> None:
+    """The requests whose loads wrote ``blocks`` compute this step on state that was never loaded:
+    mark their ReqMeta s, so that the sending thread finishes the step's save keys of those
+    requests as failed (:func:`make_send_handle`) instead of publishing them as ready. Runs in
+    ``wait_for_layer_load``, before the step's final layer is queued for saving."""
+    step = worker.__dict__.get(_STEP)
+    if step is None:
+        return
+    for req_id, loaded in step.req_blocks.items():
+        if loaded & blocks:
+            for meta in step.metas.get(req_id, ()):
+                meta.__dict__[_POISONED] = True
+            # under async scheduling the next step is already scheduled on this state: taint the
+            # request until the scheduler's preemption of it reaches this worker (make_start_load_kv)
+            worker.__dict__.setdefault(_TAINTED, set()).add(req_id)
+
+
+def make_start_load_kv(original):
+    """A request whose load failed keeps computing on the unloaded state in every step scheduled
+    before the scheduler rolled it back (async scheduling: the next step is in flight): its saves
+    there are dropped too, until its preemption (``load_failures_rollback``) or end reaches the worker."""
+
+    @functools.wraps(original)
+    def start_load_kv(self, metadata):
+        tainted = self.__dict__.get(_TAINTED)
+        if tainted:
+            tainted -= set(getattr(metadata, "preempted_req_ids", None) or ())
+            unfinished = getattr(metadata, "unfinished_request_ids", None)
+            if unfinished is not None:
+                tainted &= set(unfinished)
+            for meta in getattr(metadata, "requests", ()):
+                if meta.req_id in tainted:
+                    meta.__dict__[_POISONED] = True
+        return original(self, metadata)
+
+    return start_load_kv
 
 
 def _begin_step(worker) -> _Step:
@@ -185,11 +291,16 @@ def _begin_step(worker) -> _Step:
                 step.keys.extend(task.shared_block_data.load_keys)
             builder = builders[task.group_id] if builders else recv.layer_batch_builder
             for rng in task.block_ranges:
-                step.req_ids.add(rng.request.req_id)
+                req_id = rng.request.req_id
+                step.req_ids.add(req_id)
+                metas = step.metas.setdefault(req_id, [])
+                if all(m is not rng.request for m in metas):
+                    metas.append(rng.request)
                 block_ids, _gvas = builder._require_request_arrays(rng, is_save=False)
                 wanted = {int(b) for b in block_ids[rng.start_block : rng.end_block]}
                 if rng.partial_block_index is not None:
                     wanted.add(int(block_ids[rng.partial_block_index]))
+                step.req_blocks.setdefault(req_id, set()).update(wanted - {0})
                 unloadable |= wanted - copied - {0}
     step.keys = list(dict.fromkeys(step.keys))
     step.blocks |= unloadable
@@ -328,6 +439,9 @@ def make_update_invalid(original):
             req_id = request.request_id
             block_ids = self.kv_cache_manager.get_block_ids(req_id)
             computed = request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)
+            recorded = _as_scheduled(request, num_scheduled_tokens)  # async: as the failed step saw it
+            if recorded is not None:
+                computed, block_ids = recorded
             point = _resume_point(specs, block_ids, invalid_block_ids, computed, mamba_cls)
             if point is None:
                 continue
@@ -340,6 +454,146 @@ def make_update_invalid(original):
         return affected, total, evict
 
     return _update_requests_with_invalid_blocks
+
+
+def make_handle_invalid(original):
+    """Under ``recompute``, a hybrid request rolled back by a load failure is preempted (after its
+    blocks from the rollback point on, in every group, are evicted from the prefix cache) instead of
+    only having ``num_computed_tokens`` rewound in place.
+
+    Rewinding in place keeps the request's align-mode block table (its older mamba states are null
+    blocks, so a recompute over more than one chunk runs its GDN state in the null block, shared by
+    every other request rolled back in the same step), the worker's ``mamba_state_idx``, the
+    connector's request tracker, and -- under async scheduling -- the output placeholders of the
+    step already in flight. vLLM's preemption resets all of those; resumption schedules the request
+    again from its local and pool hits. In-flight output frames are discarded the way vLLM's own
+    force-preemption (``reset_prefix_cache``) discards them: ``async_tokens_to_discard``.
+    Under ``recompute`` vLLM evicts nothing, so without the eviction the invalid blocks, and those
+    computed from them, stay cached and a later request with that prefix (or the resumed one) is
+    served them by a local hit."""
+    status = importlib.import_module("vllm.v1.request").RequestStatus
+
+    @functools.wraps(original)
+    def _handle_invalid_blocks(self, invalid_block_ids, num_scheduled_tokens):
+        failed = original(self, invalid_block_ids, num_scheduled_tokens)
+        groups = self.kv_cache_config.kv_cache_groups
+        if not failed or not self.recompute_kv_load_failures or len(groups) <= 1:
+            return failed
+        rolled = [r for r in self.running if r.request_id in failed and r.status == status.RUNNING]
+        if not rolled:
+            return failed
+        manager = self.kv_cache_manager
+        evict: set[int] = set()
+        for request in rolled:
+            point = request.num_computed_tokens  # where _update_requests_with_invalid_blocks rolled it back to
+            tables = [manager.get_block_ids(request.request_id)]
+            recorded = _as_scheduled(request, num_scheduled_tokens)
+            if recorded is not None:  # async: blocks the failed step held that align mode freed since
+                tables.append(recorded[1])
+            for table in tables:
+                for group, ids in zip(groups, table):
+                    size = group.kv_cache_spec.block_size
+                    evict.update(b for b in ids[point // size :] if b)
+        if evict:
+            manager.evict_blocks(evict)
+        now = time.monotonic()
+        for request in rolled:
+            in_flight = _frames_after(request, num_scheduled_tokens)
+            self.running.remove(request)
+            self._preempt_request(request, now)
+            request.async_tokens_to_discard += in_flight
+            request.num_output_placeholders = 0
+        logger().warning(
+            "ascend_layerwise_patch: request(s) %s preempted after a failed KV load (recompute); %d block(s) "
+            "evicted from the prefix cache",
+            sorted(r.request_id for r in rolled),
+            len(evict),
+        )
+        return failed
+
+    return _handle_invalid_blocks
+
+
+def _frames_after(request, num_scheduled_tokens) -> int:
+    """Output frames of ``request`` still in flight after the step being updated (the one whose
+    ``num_scheduled_tokens`` this is): those of the steps scheduled after it. That step's own frame
+    is not among them: update_from_output skips a failed request, so its placeholder is never
+    counted down -- discarding ``num_output_placeholders`` frames would drop a good token later.
+    Without a record of the step (sync scheduling: no placeholders), the placeholders."""
+    log = request.__dict__.get(_FRAMES) or []
+    for i, entry in enumerate(log):
+        if entry[0] is num_scheduled_tokens:
+            return sum(later[1] for later in log[i + 1 :])
+    return request.num_output_placeholders
+
+
+def _as_scheduled(request, num_scheduled_tokens):
+    """(tokens computed before, block ids) of ``request`` when the step being updated was scheduled,
+    if recorded (async scheduling: a later step may have advanced it since, and align mode may have
+    freed the mamba state block the failed load wrote); else None."""
+    for entry in request.__dict__.get(_FRAMES) or ():
+        if entry[0] is num_scheduled_tokens:
+            return None if entry[3] is None else (entry[2], entry[3])
+    return None
+
+
+def make_async_after_schedule(original):
+    """AsyncScheduler: note, per request, each scheduled step and the output frames it adds
+    (the placeholders), so that a rollback knows which of them are still in flight."""
+
+    @functools.wraps(original)
+    def _update_after_schedule(self, scheduler_output):
+        before = {
+            r: (self.requests[r].num_output_placeholders, self.requests[r].num_computed_tokens)
+            for r in scheduler_output.num_scheduled_tokens
+        }
+        result = original(self, scheduler_output)
+        # only a new or resumed request loads from the pool: only their block tables are kept
+        loading = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        loading.update(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+        for req_id, (was, start) in before.items():
+            request = self.requests[req_id]
+            log = request.__dict__.setdefault(_FRAMES, [])
+            blocks = None
+            if req_id in loading:
+                blocks = tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
+            log.append((scheduler_output.num_scheduled_tokens, request.num_output_placeholders - was, start, blocks))
+            del log[:-4]  # at most the batch queue's depth is ever in flight
+        return result
+
+    return _update_after_schedule
+
+
+def make_build_meta(original):
+    """vllm-ascend's pool scheduler handles ``preempted_req_ids`` after ``schedule()`` already
+    resumed the request (``update_state_after_alloc``): it drops the entry the resume just made and
+    then raises ("not in _unfinished_requests") on the resumed request. vLLM resumes in the next
+    ``schedule()`` a request preempted outside it (the rollback above, ``reset_prefix_cache``). For
+    those requests the preemption's cleanup runs here, before the original, keeping that entry; the
+    metadata still carries every preempted id to the workers."""
+
+    @functools.wraps(original)
+    def build_connector_meta(self, scheduler_output):
+        preempted = scheduler_output.preempted_req_ids
+        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
+        both = {r for r in (preempted or ()) if r in resumed and r in self._unfinished_requests}
+        if not both:
+            return original(self, scheduler_output)
+        for req_id in both:  # upstream's preempted cleanup, minus dropping the resumed entry
+            self._preempted_req_ids.add(req_id)
+            self._request_trackers.pop(req_id, None)
+            self._loading_req_ids.discard(req_id)
+            self._delayed_free_req_ids.discard(req_id)
+        scheduler_output.preempted_req_ids = type(preempted)(r for r in preempted if r not in both)
+        try:
+            meta = original(self, scheduler_output)
+        finally:
+            scheduler_output.preempted_req_ids = preempted
+        if getattr(meta, "preempted_req_ids", None) is not None:
+            meta.preempted_req_ids = preempted
+        return meta
+
+    return build_connector_meta
 
 
 def _group_in_force() -> bool:
@@ -414,6 +668,79 @@ def _recv_ok(original) -> str | None:
     return None
 
 
+def _send_ok(original) -> str | None:
+    problem = _expects(
+        ["self", "transfer_tasks"],
+        needs=("write_results.get(key, 0) or res", "final_layer_id", "batch_write_finish", "save_keys"),
+    )(original)
+    if problem:
+        return problem
+    fields = getattr(importlib.import_module(f"{STORE}.config_data").ReqMeta, "__annotations__", {})
+    if "save_keys" not in fields:
+        return "ReqMeta no longer has save_keys"
+    return None
+
+
+def _upstream_drops_saves(original) -> str | None:
+    if "invalid_block" in _source(original) or "load_failed" in _source(original):
+        return "KVCacheStoreLayerSendingThread drops the saves of failed loads itself"
+    return None
+
+
+def _handle_invalid_ok(original) -> str | None:
+    problem = _expects(
+        ["self", "invalid_block_ids", "num_scheduled_tokens"],
+        needs=("_update_requests_with_invalid_blocks", "recompute_kv_load_failures"),
+    )(original)
+    if problem:
+        return problem
+    sched = importlib.import_module("vllm.v1.core.sched.scheduler")
+    cls = original.__globals__.get("Scheduler", sched.Scheduler)
+    for name in ("_preempt_request", "running", "kv_cache_manager"):
+        if name not in _source(cls):
+            return f"Scheduler no longer has {name}"
+    if "async_tokens_to_discard" not in _source(importlib.import_module("vllm.v1.request").Request):
+        return "Request no longer has async_tokens_to_discard"
+    if not callable(getattr(importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager, "evict_blocks", None)):
+        return "KVCacheManager.evict_blocks is gone"
+    return None
+
+
+def _build_meta_ok(original) -> str | None:
+    return _expects(
+        ["self", "scheduler_output"],
+        needs=(
+            "for req_id in scheduler_output.preempted_req_ids",
+            "self._unfinished_requests.pop(req_id, None)",
+            "_preempted_req_ids",
+            "_request_trackers",
+            "_loading_req_ids",
+            "_delayed_free_req_ids",
+        ),
+    )(original)
+
+
+def _upstream_keeps_resumed(original) -> str | None:
+    if "resumed_req_ids" in _source(original):
+        return "KVPoolScheduler.build_connector_meta tells a preempted request from a resumed one itself"
+    return None
+
+
+def _upstream_preempts_frames(_original) -> str | None:
+    return _upstream_preempts(importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler._handle_invalid_blocks)
+
+
+def _upstream_drops_later_saves(_original) -> str | None:
+    thread = importlib.import_module(f"{STORE}.kv_transfer").KVCacheStoreLayerSendingThread
+    return _upstream_drops_saves(vars(thread)["_handle_request"])
+
+
+def _upstream_preempts(original) -> str | None:
+    if "_preempt_request" in _source(original):
+        return "Scheduler._handle_invalid_blocks preempts the affected requests itself"
+    return None
+
+
 def _policy_ok(original) -> str | None:
     func = getattr(original, "__func__", None)
     if not isinstance(original, staticmethod) or func is None:
@@ -436,18 +763,25 @@ def _upstream_allows_hybrid(original) -> str | None:
 
 
 
-def _spec(name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=()) -> PatchSpec:
+_WHY = (
+    "failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
+    "which handles hybrid (multi-group) requests"
+)
+
+
+def _spec(
+    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK
+) -> PatchSpec:
     return PatchSpec(
         name=name,
         group=group,
         target=target,
         aliases=aliases,
         factory=factory,
-        why="failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
-        "which handles hybrid (multi-group) requests",
+        why=why,
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(precondition, RISK),
+        precondition=with_risk(precondition, risk),
         fixed_upstream=fixed,
     )
 
@@ -456,6 +790,23 @@ _INVALID = ["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "ev
 _COPY = ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"]
 
 SPECS = (
+    PatchSpec(
+        name="mamba_pool_resume_load",
+        group=RESUME_LOAD_GROUP,
+        target=f"{STORE}.pool_worker:KVPoolWorker._prepare_load_gvas",
+        # mamba_pool_hit's 0.26 member, on 0.25.1rc1: the null mamba blocks of a hit are neither looked
+        # up nor leased nor loaded (0.25.1rc1 looks up every block of the hit range, and every
+        # intermediate chunk-end state that exists is copied into the null block)
+        factory=lambda original: _pool_hit.null_loads_present(original),
+        why="a layerwise pool hit loads only the mamba state it resumes from, not every chunk-end state into the null block",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=with_risk(
+            _pool_hit._loads_precondition,
+            "every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
+        ),
+        fixed_upstream=_pool_hit._loads_fixed,
+    ),
     _spec(
         "load_fail_copy",
         f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._batch_copy_with_limits",
@@ -468,6 +819,26 @@ SPECS = (
         make_recv_handle,
         _recv_ok,
     ),
+    _spec(
+        "load_fail_drop_saves",
+        f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread._handle_request",
+        make_send_handle,
+        _send_ok,
+        fixed=_upstream_drops_saves,
+        group=SAVES_GROUP,
+        why="the pool keys a request saves in a step whose layerwise load failed are finished as failed, never ready",
+        risk="keys computed from unloaded state are published as ready: every later pool hit reads them",
+    ),
+    _spec(
+        "load_fail_drop_later_saves",
+        f"{STORE}.pool_worker:KVPoolWorker.start_load_kv",
+        make_start_load_kv,
+        _expects(["self", "metadata"], needs=("process_layer_data",)),
+        fixed=_upstream_drops_later_saves,
+        group=SAVES_GROUP,
+        why="a request whose load failed saves nothing until its rollback reaches the worker (async scheduling)",
+        risk="keys computed from unloaded state in the step after the failure are published as ready",
+    ),
     _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok),
     _spec(
         "load_fail_policy",
@@ -476,6 +847,38 @@ SPECS = (
         _policy_ok,
         fixed=_upstream_allows_hybrid,
         group=POLICY_GROUP,
+    ),
+    _spec(
+        "load_fail_rollback",
+        "vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks",
+        make_handle_invalid,
+        _handle_invalid_ok,
+        fixed=_upstream_preempts,
+        group=ROLLBACK_GROUP,
+        aliases=("vllm.v1.core.sched.scheduler:Scheduler.__base__._handle_invalid_blocks",),
+        why="a hybrid request rolled back after a failed KV load is preempted (its blocks from the rollback "
+        "point evicted from the prefix cache) instead of rewound in place",
+        risk="a rolled-back hybrid request runs its GDN state in the null block; invalid blocks stay cached",
+    ),
+    _spec(
+        "load_fail_rollback_frames",
+        "vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
+        make_async_after_schedule,
+        _expects(["self", "scheduler_output"], needs=("num_output_placeholders",)),
+        fixed=_upstream_preempts_frames,
+        group=ROLLBACK_GROUP,
+        why="the rollback knows how many output frames of a failed request are still in flight",
+        risk="under async scheduling a token computed on a failed load is delivered, or a good one dropped",
+    ),
+    _spec(
+        "load_fail_resume_meta",
+        f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
+        make_build_meta,
+        _build_meta_ok,
+        fixed=_upstream_keeps_resumed,
+        group=ROLLBACK_GROUP,
+        why="a request preempted outside schedule() and resumed by the next one keeps its pool-scheduler state",
+        risk="the pool scheduler raises on a request preempted after a failed load and resumed",
     ),
     _spec(
         "load_fail_scheduler",

@@ -101,6 +101,7 @@ class PoolService:
         self.violations: list[Violation] = []
         self.copies = {L2G: 0, G2L: 0}
         self.bytes = {L2G: 0, G2L: 0}
+        self.key_bytes: dict[int, dict[str, int]] = {L2G: {}, G2L: {}}  # bytes copied per key and direction
         self.copy_log: list[tuple[int, tuple[str, ...], int]] = []  # (direction, keys, result)
 
     # ------------------------------------------------------------------ harness side
@@ -253,6 +254,7 @@ class PoolService:
                 else:
                     ctypes.memmove(addr, pool_addr, size)
                 self.bytes[direction] += size
+                self.key_bytes[direction][blob.key] = self.key_bytes[direction].get(blob.key, 0) + size
             self.copies[direction] += 1
         self._log(direction, keys, 0)
         return 0

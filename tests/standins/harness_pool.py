@@ -43,6 +43,7 @@ with ``ref_cnt == 0`` is a read of a free block (about to be reused). Null block
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import threading
@@ -1161,6 +1162,8 @@ class PoolInstance:
         additional_config: dict | None = None,  # vllm-ascend's (``--additional-config``)
         model_dir: str | None = None,  # the checkpoint folder (``_model_dir``); default: one per (pattern, kv_heads)
         pp: int = 1,  # pipeline stages (the harness runs stage 0's ranks; see stage_workers)
+        long_prefill_token_threshold: int = 0,  # vLLM's per-request chunk limit (0: none)
+        async_scheduling: bool = False,  # vLLM's AsyncScheduler, stepped as step_with_batch_queue (depth 2)
     ):
         _runtime()
         from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
@@ -1194,7 +1197,8 @@ class PoolInstance:
                     max_model_len=max_model_len,
                     is_encoder_decoder=False,
                     enable_chunked_prefill=True,
-                    async_scheduling=False,  # EngineCore.step (no batch queue)
+                    async_scheduling=async_scheduling,  # False: EngineCore.step (no batch queue)
+                    long_prefill_token_threshold=long_prefill_token_threshold,
                 ),
                 kv_transfer_config=(
                     KVTransferConfig(
@@ -1258,6 +1262,10 @@ class PoolInstance:
         self.kv_outputs: list = []
         self.steps = 0
         self.outputs: dict[str, list[int]] = {}
+        self.after_schedule = None  # callable(inst, scheduler_output): runs before the ranks execute
+        #: async scheduling: EngineCore's batch queue (depth 2, as with async_scheduling and no PP)
+        self.batch_queue_size = 2 if async_scheduling else 0
+        self.batch_queue: collections.deque = collections.deque()
         self.ranks = [_Rank(self, r) for r in range(tp)]
         self.aggregator = (
             KVOutputAggregator.from_connector(self.scheduler.connector, tp) if self.scheduler.connector is not None else None
@@ -1303,7 +1311,7 @@ class PoolInstance:
 
     def has_work(self) -> bool:
         """``EngineCoreProc.has_work`` for one engine without DP or a batch queue."""
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or bool(self.batch_queue)
 
     def step(self):
         """``EngineCore.step``: schedule, execute on every rank, aggregate, update. None if idle.
@@ -1314,7 +1322,7 @@ class PoolInstance:
 
         def run():
             try:
-                done["so"] = self._step()
+                done["so"] = self._step_with_batch_queue() if self.batch_queue_size else self._step()
             except BaseException as exc:  # handed to the caller's thread
                 done["error"] = exc
 
@@ -1335,6 +1343,8 @@ class PoolInstance:
         if not self.scheduler.has_requests():
             return None
         so = self.scheduler.schedule()
+        if self.after_schedule is not None:  # e.g. the pool evicts a key between hit check and load
+            self.after_schedule(self, so)
         outputs = []
         for rank in self.ranks:
             self._current_rank = rank
@@ -1352,6 +1362,43 @@ class PoolInstance:
         self.scheduler.update_from_output(so, output)
         self.steps += 1
         return so
+
+    def _execute(self, so):
+        """Every rank executes ``so``; the aggregated output (what the executor's future yields)."""
+        outputs = []
+        for rank in self.ranks:
+            self._current_rank = rank
+            outputs.append(copy.copy(rank.execute(copy.deepcopy(so))))  # see _step
+        output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
+        self.kv_outputs.append(output.kv_connector_output)
+        for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
+            if toks:
+                self.outputs.setdefault(req_id, []).extend(toks)
+        self.steps += 1  # counts executed batches (the step index of every read)
+        return output
+
+    def _step_with_batch_queue(self):
+        """``EngineCore.step_with_batch_queue`` (vLLM 0.25 / 0.26), no structured output, no PP: schedule
+        and submit while the queue has room and something was scheduled; else take the oldest batch's
+        result and update the scheduler from it. The executor runs batches in submission order, so the
+        ranks execute a batch when it is submitted (ahead of the scheduler, as a real worker may)."""
+        queue = self.batch_queue
+        assert len(queue) < self.batch_queue_size
+        scheduled = None
+        if self.scheduler.has_requests():
+            scheduled = so = self.scheduler.schedule()
+            if self.after_schedule is not None:
+                self.after_schedule(self, so)
+            output = self._execute(so)
+            model_executed = so.total_num_scheduled_tokens > 0
+            queue.appendleft((output, so))
+            if len(queue) < self.batch_queue_size and (model_executed or self.scheduler.has_requests()):
+                return scheduled
+        elif not queue:
+            return None
+        output, so = queue.pop()
+        self.scheduler.update_from_output(so, output)
+        return scheduled if scheduled is not None else so
 
     # ------------------------------------------------------------------ what was read
     def reads_of(self, req_id: str | None = None, *, kind: str = "gdn", step: int | None = None) -> list[GDNRead]:
