@@ -153,3 +153,36 @@ def test_unpatched_computes_on_unloaded_blocks(library, expected):
     assert run.req_b.status == RequestStatus.FINISHED_LENGTH_CAPPED  # delivered as if all was well
     print(f"\nunpatched, attention load error: {len(first)} wrong attention block reads of b in the failed "
           f"step, {len(later)} in the {run.b.steps - 1} steps after it; 0 blocks reported")
+
+
+@pytest.mark.parametrize("reload", [False, True], ids=["no-reload", "change-off"])
+def test_a_store_that_keeps_failing_costs_one_recompute(library, expected, reload):
+    """Every load of the GDN group's keys fails, for good. Under ``recompute`` b is rolled back once,
+    resumes from its local hits without asking the pool again, and finishes with the tokens of a
+    run without the pool. Control (``change-off``: the request's no-reload mark dropped after every
+    step, as before ``load_fail_no_reload``): b asks the pool at every resume, fails again and is
+    preempted again -- it never finishes."""
+    library(True)
+    pool = make_pool()
+    a = PoolInstance(pool, name="A")
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    b = PoolInstance(pool, name="B", kv_load_failure_policy="recompute")
+    group = str(b.group_of[b.gdn_layers[0]])
+    fault = pool.add_fault("error", direction=G2L, match=lambda key: key.split("@")[1] == group)
+    req_b = b.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS)
+    req_c = b.add_request("c", C_PROMPT, max_tokens=MAX_TOKENS)
+
+    def after(_inst, _so):
+        if reload:
+            req_b.__dict__.pop(load_failures._NO_RELOAD, None)
+
+    steps = engine_loop(b, max_steps=30, on_step=after)
+    print(f"\npool keeps failing, {'change off' if reload else 'on'}: {fault.hits} failed loads in {steps} steps, "
+          f"b {'unfinished' if b.has_work() else 'finished'}")
+    if reload:
+        assert b.has_work() and fault.hits >= 5 * len(b.gdn_layers) and not req_b.is_finished()
+    else:
+        assert not b.has_work() and fault.hits == len(b.gdn_layers)  # one failed step: a copy per GDN layer
+        assert {r.request_id: list(r.output_token_ids) for r in (req_b, req_c)} == expected
+        assert b.wrong_reads("c") == []
