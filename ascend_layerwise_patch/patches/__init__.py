@@ -114,6 +114,22 @@ imports nothing heavy at import time (factories import their targets' neighbours
    Remove:  with the lifetime group; has_pending_push_work skips itself once AscendStoreConnector
             defines it.
 
+** send_shedding ** (``send_shedding.py``; part of the mamba_lifetime group)
+   Target:  ascend_store.pool_scheduler.KVPoolScheduler.build_connector_meta, plus a hook in the
+            mamba_lifetime wrapper of touch_sending_mamba_blocks.
+   Why:     nothing bounds the layerwise send backlog: a store slower than the model (0.25.1rc1's
+            save_kv_layer gives up after 10 s and the next step queues behind) keeps every queued
+            step's blocks held, rightly, until the block pool is exhausted and the engine stalls.
+   How:     at each build_connector_meta, the block references held by open send events are
+            compared with ASCEND_LAYERWISE_PATCH_SEND_BACKLOG x the pool (default 0.25); a
+            request's save that would exceed it is shed (can_save cleared before the touch: no
+            event, no held block, no task, no key on any rank). Loads unaffected. Counted in
+            status() (``counters``), WARNING at most once a minute.
+   Upstream: not bounded in vllm-ascend 0.25.1rc1 nor 0.26.0rc1 (0.26's save_kv_layer waits
+            without a limit, so there only a rank that saves nothing at its last layer -- non-leader
+            ranks at TP > KV heads -- can fall behind; the bound is harmless elsewhere).
+   Remove:  when the scheduler bounds its open send events (detected: the patch then skips itself).
+
 ** postprocess_kernel ** and ** postprocess_v2_out_buffer ** (``postprocess_kernel.py``, one group)
    Target:  vllm_ascend.ops.triton.mamba.postprocess.postprocess_mamba_fused_kernel (+ the copies
             vllm-ascend's patch_mamba_utils makes in itself and in vllm.v1.worker.mamba_utils);
@@ -189,6 +205,7 @@ from . import (
     mamba_precopy,
     postprocess_kernel,
     send_integrity,
+    send_shedding,
 )
 
 SPECS = (
@@ -197,6 +214,7 @@ SPECS = (
     *mamba_precopy.SPECS,
     *mamba_lifetime.SPECS,
     *send_integrity.SPECS,
+    *send_shedding.SPECS,
     *postprocess_kernel.SPECS,
     *mamba_local_hit.SPECS,
     *mamba_pool_hit.SPECS,
