@@ -6,7 +6,8 @@
 CPU, NPU runtime stood in, the pool harness of tests/standins/harness_pool.py (vLLM's real Scheduler,
 vllm-ascend's AscendStore halves and layer threads, byte-level MemCache with a slow store; save_kv_layer's
 10 s wait scaled to 30 ms). Modes: ``shed`` (this library, default bound), ``off``
-(``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG=off``: the library without the bound), ``nosave`` (no KV
+(``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG=off``: the library without the bound), ``shed<N>`` (the step
+bound ``..._SEND_BACKLOG_STEPS=N``; ``shed0``: the block bound alone), ``nosave`` (no KV
 connector: the same workload with saving turned off). Per seed and mode: wall time until every
 request finished (``fin``), whether the loop stopped by itself, requests unfinished at the deadline,
 the most block references / blocks held by open sends, blocks in use, preemptions, shed saves;
@@ -48,10 +49,12 @@ def activate(mode: str) -> None:
     import ascend_layerwise_patch as alp
     from ascend_layerwise_patch.patches import send_shedding
 
+    os.environ.pop(send_shedding.ENV_BACKLOG, None)
+    os.environ.pop(send_shedding.ENV_STEPS, None)
     if mode == "off":
         os.environ[send_shedding.ENV_BACKLOG] = "off"
-    else:
-        os.environ.pop(send_shedding.ENV_BACKLOG, None)
+    elif mode.startswith("shed") and mode != "shed":  # shed<N>: the step bound N (shed0: blocks only)
+        os.environ[send_shedding.ENV_STEPS] = mode[4:]
     alp.REGISTRY.revert()
     alp.REGISTRY.activate()
     alp.REGISTRY.apply_pending()
@@ -82,7 +85,7 @@ def run(scenario: str, mode: str, seed: int, deadline: float, quick: bool) -> di
         if fault is not None:
             fault.gate.set()
     f["shed"] = send_shedding.counters()["shed_saves"] - shed0
-    f["bound"] = int(send_shedding.DEFAULT_FRACTION * f["num_blocks"]) if mode == "shed" else None
+    f["bound"] = int(send_shedding.DEFAULT_FRACTION * f["num_blocks"]) if mode.startswith("shed") else None
     f["wrong_reads"] = len(inst.wrong_reads()) + len(inst.wrong_reads(kind="attn"))
     f["violations"] = len(pool.violations) if pool is not None else 0
     return f

@@ -55,10 +55,13 @@ VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "mamba_lifetime"  # the events it bounds are the lifetime patch's: one send path, all or nothing
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 ENV_BACKLOG = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG"
+ENV_STEPS = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS"
 DEFAULT_FRACTION = 0.25  #: of the block pool: block references open layerwise sends may hold
+DEFAULT_STEPS = 3  #: steps whose sends may be open at once (async scheduling keeps two open when healthy)
 SHED_REPEAT_S = 60.0  #: at most one WARNING this often while saves are shed
 
 _STEP = "_ascend_layerwise_patch_send_budget"  # scheduler: this build_connector_meta's _Budget
+_STEPS = "_ascend_layerwise_patch_send_steps"  # scheduler: last event id of each step with events open
 
 _counts_lock = threading.Lock()
 _counts = {"shed_saves": 0, "shed_steps": 0, "send_backlog_peak": 0}
@@ -91,13 +94,29 @@ def fraction(environ=None) -> float | None:
     return min(frac, 1.0)
 
 
+def steps_limit(environ=None) -> int | None:
+    """How many steps' sends may be open at once, or None (no step bound) for ``off`` / ``0``."""
+    value = (os.environ if environ is None else environ).get(ENV_STEPS, "").strip().lower()
+    if not value:
+        return DEFAULT_STEPS
+    try:
+        steps = int(value)
+    except ValueError:
+        if value not in {"off", "none", "false", "no"}:
+            logger().warning("ascend_layerwise_patch: %s=%r is not a number of steps; using %s", ENV_STEPS, value, DEFAULT_STEPS)
+            return DEFAULT_STEPS
+        return None
+    return steps if steps > 0 else None
+
+
 class _Budget:
-    """One ``build_connector_meta``: the block references open sends hold and may hold."""
+    """One ``build_connector_meta``: the block references open sends hold and may hold, and
+    whether the sending side is too many steps behind to take any new save."""
 
-    __slots__ = ("limit", "held", "shed")
+    __slots__ = ("limit", "held", "shed", "behind")
 
-    def __init__(self, limit: int, held: int) -> None:
-        self.limit, self.held, self.shed = limit, held, 0
+    def __init__(self, limit: int, held: int, behind: bool = False) -> None:
+        self.limit, self.held, self.shed, self.behind = limit, held, 0, behind
 
 
 def admit(scheduler, req_meta, n: int) -> bool:
@@ -106,12 +125,25 @@ def admit(scheduler, req_meta, n: int) -> bool:
     budget = scheduler.__dict__.get(_STEP)
     if budget is None:  # shedding not applied, or touched outside a step's build
         return True
-    if budget.held + n <= budget.limit:
+    if not budget.behind and budget.held + n <= budget.limit:
         budget.held += n
         return True
     req_meta.can_save = False
     budget.shed += 1
     return False
+
+
+def steps_in_flight(scheduler, steps: list[int]) -> int:
+    """Steps whose send events are still open. ``steps`` holds, per earlier step that opened
+    events, its last event id (ids grow; events of a step close together, in step order)."""
+    events = scheduler.sending_events
+    if not events:
+        steps.clear()
+        return 0
+    oldest = next(iter(events))  # dicts keep insertion order, event ids grow
+    while steps and steps[0] < oldest:
+        steps.pop(0)
+    return len(steps)
 
 
 def held_references(scheduler) -> int:
@@ -135,18 +167,20 @@ def _note(shed: int, held: int, limit: int, now: float | None = None) -> None:
         since, _warned["at"], _warned["since"] = _warned["since"], now, 0
     logger().warning(
         "ascend_layerwise_patch: layerwise KV store behind the model: %d request save(s) shed "
-        "(not sent, no pool key) since the last warning; open sends hold %d block references, "
-        "the bound is %d (%s); the pool keeps fewer prefixes, loads are unaffected",
+        "(not sent, no pool key) since the last warning; open sends hold %d block references "
+        "(bound %d, %s) or span too many steps (%s); the pool keeps fewer prefixes, loads are unaffected",
         since,
         held,
         limit,
         ENV_BACKLOG,
+        ENV_STEPS,
     )
 
 
 # ------------------------------------------------------------------------------------- factory
-def make_build_connector_meta(original, frac: float | None | str = "env"):
+def make_build_connector_meta(original, frac: float | None | str = "env", max_steps: int | None | str = "env"):
     frac = fraction() if frac == "env" else frac
+    max_steps = steps_limit() if max_steps == "env" else max_steps
 
     @functools.wraps(original)
     def build_connector_meta(self, scheduler_output):
@@ -154,11 +188,18 @@ def make_build_connector_meta(original, frac: float | None | str = "env"):
         if frac is None or not self.use_layerwise or pool is None:
             return original(self, scheduler_output)
         held = held_references(self)
-        budget = self.__dict__[_STEP] = _Budget(int(frac * (pool.num_gpu_blocks - 1)), held)
+        steps = self.__dict__.get(_STEPS)
+        if steps is None:
+            steps = self.__dict__[_STEPS] = []
+        behind = max_steps is not None and steps_in_flight(self, steps) >= max_steps
+        budget = self.__dict__[_STEP] = _Budget(int(frac * (pool.num_gpu_blocks - 1)), held, behind)
+        first = self.sending_event_id
         try:
             return original(self, scheduler_output)
         finally:
             self.__dict__.pop(_STEP, None)
+            if self.sending_event_id != first:  # this step opened events
+                steps.append(self.sending_event_id - 1)
             if budget.shed or held > _counts["send_backlog_peak"]:
                 _note(budget.shed, held, budget.limit)
 
@@ -175,7 +216,7 @@ def _target_ok(original) -> str | None:
     if "touch_sending_mamba_blocks" not in _source(original):
         return "build_connector_meta no longer calls touch_sending_mamba_blocks before adding a request"
     cls = original.__globals__.get("KVPoolScheduler")
-    for name in ("sending_blocks", "_block_pool"):
+    for name in ("sending_blocks", "sending_events", "sending_event_id", "_block_pool"):
         if name not in _source(cls.__init__):
             return f"KVPoolScheduler no longer keeps {name}"
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker import KVPoolWorker
