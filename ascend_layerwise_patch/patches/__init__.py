@@ -121,8 +121,9 @@ imports nothing heavy at import time (factories import their targets' neighbours
             save_kv_layer gives up after 10 s and the next step queues behind) keeps every queued
             step's blocks held, rightly, until the block pool is exhausted and the engine stalls.
    How:     at each build_connector_meta, the block references held by open send events are
-            compared with ASCEND_LAYERWISE_PATCH_SEND_BACKLOG x the pool (default 0.25); a
-            request's save that would exceed it is shed (can_save cleared before the touch: no
+            compared with ASCEND_LAYERWISE_PATCH_SEND_BACKLOG x the pool (default 0.25), and the
+            steps with open events with ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS (default 3); a
+            request's save that would pass either is shed (can_save cleared before the touch: no
             event, no held block, no task, no key on any rank). Loads unaffected. Counted in
             status() (``counters``), WARNING at most once a minute.
    Upstream: not bounded in vllm-ascend 0.25.1rc1 nor 0.26.0rc1 (0.26's save_kv_layer waits

@@ -18,11 +18,17 @@ Why      With the lifetime patch each step's saves hold the blocks they read (ma
          preemptions, requests that cannot get blocks while the queued sends drain (hours at the
          real 10 s wait) and a busy loop without a forward step. Saving to the pool is an
          optimisation: when the store cannot keep up the server must serve as if it had no pool.
-How      The scheduler half already knows the backlog: the blocks referenced by open send events
-         (``sending_blocks``). At each ``build_connector_meta`` the wrapper notes the references
-         held now and the limit, ``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG`` x the pool's blocks
-         (default ``DEFAULT_FRACTION``). The touch hook admits a request's save only if the
-         references it would add keep the total within the limit; otherwise the save is shed:
+How      The scheduler half already knows the backlog: the open send events and the blocks they
+         reference (``sending_events`` / ``sending_blocks``). At each ``build_connector_meta`` the
+         wrapper notes the references held now, the limit -- ``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG``
+         x the pool's blocks (default ``DEFAULT_FRACTION``) -- and how many earlier steps still
+         have open events. The touch hook admits a request's save only if fewer than
+         ``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS`` steps (default ``DEFAULT_STEPS``; async
+         scheduling keeps two open while the store keeps up) are in flight and the references it
+         would add keep the total within the limit. The step bound is what keeps the server's
+         pace: on 0.25.1rc1 every step that queues a save behind a backlog waits save_kv_layer's
+         whole 10 s for its last layer, so admitting saves up to the block bound alone still cost
+         1.1-1.6x the time of the workload without saving in the soak. Otherwise the save is shed:
          its ``can_save`` is cleared before any block is touched, so no event is opened, no block
          held, and every worker skips it (no task queued, no MemCache key allocated or created --
          vllm-ascend's save and GVA allocation both skip a request that cannot save). All TP
@@ -32,7 +38,8 @@ How      The scheduler half already knows the backlog: the blocks referenced by 
          from the start, so a shed chunk ends the reachable prefix there. Shed saves are counted
          in ``counters()`` (``status()`` / ``check --json``) and logged as a WARNING at most once
          per ``SHED_REPEAT_S`` through vLLM's logger. ``..._SEND_BACKLOG=off`` (or 0) leaves the
-         backlog unbounded (upstream's behaviour).
+         backlog unbounded (upstream's behaviour); ``..._SEND_BACKLOG_STEPS=off`` keeps the block
+         bound alone.
 Removal  When vllm-ascend bounds its open layerwise sends itself (detected: a scheduler that
          compares the size of ``sending_blocks`` / ``sending_events`` skips this patch), or with
          the lifetime group.

@@ -157,6 +157,23 @@ def inst_start(f: dict) -> float:
     return f["_start"]
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
+def test_a_store_that_keeps_up_sheds_nothing(shedding):
+    """The bounds do not bind while the store keeps up: the same workload on a fast store saves
+    every prefix it would without them."""
+    inst_kw, soak_kw, _slow = SCENARIOS["slow"]
+    pool = make_pool()
+    inst = PoolInstance(pool, max_model_len=512, **inst_kw)
+    inst.scale_save_wait()
+    shed0 = send_shedding.counters()["shed_saves"]
+    f = soak(inst, seed=1, deadline_s=60.0, **{**soak_kw, "requests": 20})
+    f.pop("trace")
+    print(f"\nfast store: {f}")
+    assert send_shedding.counters()["shed_saves"] == shed0
+    assert f["stopped"] and f["unfinished"] == 0 and f["used"] == 0 and pool.ready_keys()
+    assert _integrity(pool, inst) == {"stale_ready": 0, "wrong_reads": 0, "violations": 0}
+
+
 CONTROL_S = 6.0  # the control stops here (with the bound, the same workload finishes in ~2.5 s)
 
 
