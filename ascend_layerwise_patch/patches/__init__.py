@@ -126,9 +126,10 @@ imports nothing heavy at import time (factories import their targets' neighbours
             request's save that would pass either is shed (can_save cleared before the touch: no
             event, no held block, no task, no key on any rank). Loads unaffected. Counted in
             status() (``counters``), WARNING at most once a minute.
-   Upstream: not bounded in vllm-ascend 0.25.1rc1 nor 0.26.0rc1 (0.26's save_kv_layer waits
-            without a limit, so there only a rank that saves nothing at its last layer -- non-leader
-            ranks at TP > KV heads -- can fall behind; the bound is harmless elsewhere).
+   Upstream: not bounded in vllm-ascend 0.25.1rc1. Out of range on 0.26.0rc1: its save_kv_layer
+            waits without a limit; a non-leader rank at TP > KV heads does not wait, its sends
+            pile up behind a slow store, and then its sending thread's own assertion stops the
+            engine (the bound at its defaults does not prevent that: a different defect).
    Remove:  when the scheduler bounds its open send events (detected: the patch then skips itself).
 
 ** postprocess_kernel ** and ** postprocess_v2_out_buffer ** (``postprocess_kernel.py``, one group)

@@ -3,13 +3,18 @@
 Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler
          .KVPoolScheduler.build_connector_meta (scheduler half), plus a hook in the
          ``mamba_lifetime`` wrapper of ``touch_sending_mamba_blocks`` (same group: one send path).
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). On vllm-ascend 0.25.1rc1
+Versions vLLM >=0.25.0,<0.26; vllm-ascend >=0.25.1,<0.26 (base releases). On vllm-ascend 0.25.1rc1
          ``save_kv_layer`` gives up on the step's last layer after 10 s, so every slow step leaves
-         its sends queued and the backlog grows without limit. On 0.26.0rc1 ``save_kv_layer`` waits
-         for the last layer without a limit, so a rank that saves at its last layer never falls
-         more than a step behind (the bound then never binds); a rank that saves nothing there --
-         the non-leader ranks at TP > KV heads with ``gdn_tp_keys``, saving their own GDN slices --
-         does not wait for its sends and falls behind the same way: the patch applies on both.
+         its sends queued and the backlog grows without limit. Not on 0.26.0rc1 (out of range, the
+         rest of the group applies): its ``save_kv_layer`` waits for the last layer without a
+         limit, so a rank that saves at its last layer is never more than a step behind; a rank
+         that saves nothing there (the non-leader ranks at TP > KV heads with ``gdn_tp_keys``)
+         does not wait: its sends pile up behind a slow store (236 of 240 blocks held in the
+         soak), until its sending thread finds a layer's finished event still set, its own
+         assertion stops the thread and the worker raises ("failed during asynchronous
+         transfer"): the engine stops (tests/standins/test_send_shedding.py shows it). The bound at
+         its defaults was tried there and does not prevent that stop (same error, earlier), so it
+         is not declared for 0.26: that pair's defect is the fatal assertion, not the backlog.
 Why      With the lifetime patch each step's saves hold the blocks they read (mamba and full
          attention) under a send event until every worker's sending thread is past them: freeing
          them earlier would be a use-after-free. Nothing bounds how many steps the sending threads
@@ -57,8 +62,8 @@ from ..registry import PatchSpec, logger
 from ._checks import source as _source
 from ._checks import with_risk
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.26"
+VLLM_ASCEND = ">=0.25.1,<0.26"  # 0.26.0rc1: no backlog can build up (see Versions above)
 GROUP = "mamba_lifetime"  # the events it bounds are the lifetime patch's: one send path, all or nothing
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 ENV_BACKLOG = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG"

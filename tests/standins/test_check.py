@@ -125,8 +125,9 @@ def test_check_json_records_every_place_with_its_state():
 
         fixed = {"send_integrity_copy", "gdn_tp_finish"}
         pool = [s.name for m in (mamba_precopy, mamba_pool_hit, gdn_tp_keys, mamba_local_hit) for s in m.SPECS if s.name not in fixed]
-        applied = [*pool, "send_integrity_own_arrays", "send_integrity_idle_steps", "send_shedding"]  # issue 23: shedding too
-        assert {states[n] for n in applied} == {"applied"}, states
+        assert {states[n] for n in [*pool, "send_integrity_own_arrays", "send_integrity_idle_steps"]} == {"applied"}, states
+        # issue 23: the send backlog bound is declared for 0.25 only (test_send_shedding.py says why)
+        assert patches["send_shedding"]["state"] == "skipped" and "out of range" in patches["send_shedding"]["reason"]
         for name in fixed:
             assert patches[name]["state"] == "skipped" and patches[name]["reason"].startswith("already fixed upstream"), patches[name]
         for spec in load_failures.SPECS:

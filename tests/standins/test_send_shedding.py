@@ -205,47 +205,30 @@ def test_without_the_bound_the_pool_is_pinned(shedding_off):
 
 
 # ------------------------------------------------------------------------------ vllm-ascend 0.26
-#: 0.26.0rc1's save_kv_layer waits for the step's last layer without a limit, so a rank that saves at
-#: its last layer is never more than a step behind. At TP > KV heads (gdn_tp_keys) rank 1 saves its
-#: own GDN slices but not the attention layer (the leader's): its last save_kv_layer does not wait,
-#: and a slow store there falls behind step after step, as on 0.25.1rc1.
+#: send_shedding is out of range on 0.26.0rc1: its save_kv_layer waits for the step's last layer
+#: without a limit. Only a rank that saves nothing at its last layer does not wait: at TP > KV heads
+#: (gdn_tp_keys) rank 1 saves its own GDN slices but not the attention layer (the leader's). A slow
+#: store there builds a backlog (its sends hold most of the pool), and then rank 1's sending thread
+#: finds a layer's finished event still set, its own assertion stops the thread, and the worker
+#: raises: the engine stops. (With the bound widened to 0.26 and at its defaults the same error
+#: came, earlier.) If this test fails, 0.26 serves through a slow non-leader store: revisit the range.
 NON_LEADER = (dict(num_blocks=240, max_num_seqs=16, tp=2, kv_heads=1), dict(requests=40, prompt=(20, 300), output=(1, 4)))
 
 
-def _non_leader_slow(seed: int):
+@pytest.mark.pairs("v0260")
+def test_026_a_slow_non_leader_rank_stops_the_engine_instead(vllm_log):
+    row = {st.name: st for st in ascend_layerwise_patch.status()}["send_shedding"]
+    assert row.state != APPLIED and "out of range" in row.reason, row
     inst_kw, soak_kw = NON_LEADER
     pool = make_pool()
     inst = PoolInstance(pool, max_model_len=512, **inst_kw)
-    return pool, inst, soak_kw, slow_store(pool, seed=seed, match=lambda key: key.endswith("@tp1"))
-
-
-@pytest.mark.pairs("v0260")
-@pytest.mark.parametrize("bound", ["default", "off"])
-def test_026_a_slow_non_leader_rank_is_bounded(bound, monkeypatch):
-    """On 0.26 the bound matters where a rank does not wait for its sends: with it the block
-    references open sends hold stay within it and the loop stops by itself with every block back;
-    without it (the control) they pass it several times over."""
-    _activate(monkeypatch, None if bound == "default" else "off")
+    fault = slow_store(pool, seed=0, match=lambda key: key.endswith("@tp1"))
     try:
-        pool, inst, soak_kw, fault = _non_leader_slow(seed=0)
-        try:
-            f = soak(inst, seed=0, deadline_s=60.0, on_finished=lambda _i: fault.gate.set(), **soak_kw)
-        finally:
-            fault.gate.set()
-        limit = int(send_shedding.DEFAULT_FRACTION * f["num_blocks"])
-        f.pop("trace")
-        print(f"\n0.26 non-leader slow, bound {bound}: {f}")
-        assert f["unfinished"] == 0 and f["stopped"] and f["used"] == 0 and f["open_events"] == 0
-        assert inst.scheduler.reset_prefix_cache(reset_running_requests=True) is True
-        assert f["freed_while_held"] == 0
-        assert _integrity(pool, inst) == {"stale_ready": 0, "wrong_reads": 0, "violations": 0}
-        if bound == "default":
-            assert f["held_refs_max"] <= limit
-        else:
-            assert f["held_refs_max"] > 2 * limit
+        with pytest.raises(RuntimeError, match="failed during asynchronous transfer"):
+            soak(inst, seed=0, deadline_s=60.0, **soak_kw)
     finally:
-        monkeypatch.delenv(send_shedding.ENV_BACKLOG, raising=False)
-        reg = ascend_layerwise_patch.REGISTRY
-        reg.revert()
-        reg.activate()
-        reg.apply_pending()
+        fault.gate.set()
+    cs = inst.scheduler.connector.connector_scheduler
+    held = sum(len(ids) for ids in cs.sending_blocks.values())
+    print(f"\n0.26 non-leader slow: the engine stopped at step {inst.steps} with {held} block references held by open sends")
+    assert held > send_shedding.DEFAULT_FRACTION * (inst.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)
