@@ -56,6 +56,7 @@ def main() -> int:
     inst = hp.PoolInstance(hp.make_pool())
     cs = inst.scheduler.connector.connector_scheduler
     empty = SchedulerOutput.make_empty()
+    empty.preempted_req_ids = set()  # as Scheduler.schedule() fills it
     for events in (0, 32):
         cs.sending_blocks.clear()
         cs.sending_blocks.update({i: list(range(1, 9)) for i in range(events)})
