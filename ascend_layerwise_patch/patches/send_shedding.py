@@ -30,7 +30,8 @@ How      The scheduler half already knows the backlog: the open send events and 
          have open events. The touch hook admits a request's save only if fewer than
          ``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS`` steps (default ``DEFAULT_STEPS``; async
          scheduling keeps two open while the store keeps up) are in flight and the references it
-         would add keep the total within the limit. The step bound is what keeps the server's
+         would add keep the total within the limit (or nothing is held at all: a store that keeps
+         up is never shed, whatever the pool's size). The step bound is what keeps the server's
          pace: on 0.25.1rc1 every step that queues a save behind a backlog waits save_kv_layer's
          whole 10 s for its last layer, so admitting saves up to the block bound alone still cost
          1.1-1.6x the time of the workload without saving in the soak. Otherwise the save is shed:
@@ -137,8 +138,8 @@ def admit(scheduler, req_meta, n: int) -> bool:
     budget = scheduler.__dict__.get(_STEP)
     if budget is None:  # shedding not applied, or touched outside a step's build
         return True
-    if not budget.behind and budget.held + n <= budget.limit:
-        budget.held += n
+    if not budget.behind and (budget.held + n <= budget.limit or not budget.held):
+        budget.held += n  # (the first save while nothing is held always goes: no backlog, no shedding)
         return True
     req_meta.can_save = False
     budget.shed += 1

@@ -28,6 +28,10 @@ def test_admission_sheds_what_would_pass_the_bound_and_nothing_else():
     assert not ss.admit(sched, metas[2], 1) and metas[2].can_save is False  # one more: shed
     assert ss.admit(sched, metas[3], 0)  # a save that holds nothing never is
     assert budget.shed == 1 and [m.can_save for m in metas] == [True, True, False, True]
+    sched.__dict__[ss._STEP] = ss._Budget(limit=10, held=0)
+    big = SimpleNamespace(can_save=True)
+    assert ss.admit(sched, big, 25)  # nothing held: the first save goes whatever its size ...
+    assert not ss.admit(sched, SimpleNamespace(can_save=True), 1)  # ... and the bound applies after it
 
 
 def test_the_step_switch_and_steps_in_flight():
