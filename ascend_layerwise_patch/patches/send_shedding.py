@@ -31,10 +31,7 @@ How      The scheduler half already knows the backlog: the open send events and 
          ``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS`` steps (default ``DEFAULT_STEPS``; async
          scheduling keeps two open while the store keeps up) are in flight and the references it
          would add keep the total within the limit (or nothing is held at all: a store that keeps
-         up is never shed, whatever the pool's size). The step bound is what keeps the server's
-         pace: on 0.25.1rc1 every step that queues a save behind a backlog waits save_kv_layer's
-         whole 10 s for its last layer, so admitting saves up to the block bound alone still cost
-         1.1-1.6x the time of the workload without saving in the soak. Otherwise the save is shed:
+         up is never shed, whatever the pool's size). Otherwise the save is shed:
          its ``can_save`` is cleared before any block is touched, so no event is opened, no block
          held, and every worker skips it (no task queued, no MemCache key allocated or created --
          vllm-ascend's save and GVA allocation both skip a request that cannot save). All TP
@@ -45,7 +42,10 @@ How      The scheduler half already knows the backlog: the open send events and 
          in ``counters()`` (``status()`` / ``check --json``) and logged as a WARNING at most once
          per ``SHED_REPEAT_S`` through vLLM's logger. ``..._SEND_BACKLOG=off`` (or 0) leaves the
          backlog unbounded (upstream's behaviour); ``..._SEND_BACKLOG_STEPS=off`` keeps the block
-         bound alone.
+         bound alone. The step bound is what keeps the server's pace: on 0.25.1rc1 every step
+         that queues a save behind a backlog waits save_kv_layer's whole 10 s for its last layer,
+         so admitting saves up to the block bound alone still cost 1.1-1.6x the time of the same
+         workload without saving in the soak (1.05-1.32x with both; scripts/soak_shedding.py).
 Removal  When vllm-ascend bounds its open layerwise sends itself (detected: a scheduler that
          compares the size of ``sending_blocks`` / ``sending_events`` skips this patch), or with
          the lifetime group.
@@ -64,7 +64,7 @@ from ._checks import source as _source
 from ._checks import with_risk
 
 VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"  # 0.26.0rc1: no backlog can build up (see Versions above)
+VLLM_ASCEND = ">=0.25.1,<0.26"  # 0.26.0rc1: its backlog ends in its own fatal assertion (see Versions)
 GROUP = "mamba_lifetime"  # the events it bounds are the lifetime patch's: one send path, all or nothing
 STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 ENV_BACKLOG = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG"
