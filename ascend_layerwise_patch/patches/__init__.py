@@ -114,6 +114,24 @@ imports nothing heavy at import time (factories import their targets' neighbours
    Remove:  with the lifetime group; has_pending_push_work skips itself once AscendStoreConnector
             defines it.
 
+** send_shedding ** (``send_shedding.py``; part of the mamba_lifetime group)
+   Target:  ascend_store.pool_scheduler.KVPoolScheduler.build_connector_meta, plus a hook in the
+            mamba_lifetime wrapper of touch_sending_mamba_blocks.
+   Why:     nothing bounds the layerwise send backlog: a store slower than the model (0.25.1rc1's
+            save_kv_layer gives up after 10 s and the next step queues behind) keeps every queued
+            step's blocks held, rightly, until the block pool is exhausted and the engine stalls.
+   How:     at each build_connector_meta, the block references held by open send events are
+            compared with ASCEND_LAYERWISE_PATCH_SEND_BACKLOG x the pool (default 0.25), and the
+            steps with open events with ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS (default 3); a
+            request's save that would pass either is shed (can_save cleared before the touch: no
+            event, no held block, no task, no key on any rank). Loads unaffected. Counted in
+            status() (``counters``), WARNING at most once a minute.
+   Upstream: not bounded in vllm-ascend 0.25.1rc1. Out of range on 0.26.0rc1: its save_kv_layer
+            waits without a limit; a non-leader rank at TP > KV heads does not wait, its sends
+            pile up behind a slow store, and then its sending thread's own assertion stops the
+            engine (the bound at its defaults does not prevent that: a different defect).
+   Remove:  when the scheduler bounds its open send events (detected: the patch then skips itself).
+
 ** postprocess_kernel ** and ** postprocess_v2_out_buffer ** (``postprocess_kernel.py``, one group)
    Target:  vllm_ascend.ops.triton.mamba.postprocess.postprocess_mamba_fused_kernel (+ the copies
             vllm-ascend's patch_mamba_utils makes in itself and in vllm.v1.worker.mamba_utils);
@@ -236,6 +254,7 @@ from . import (
     pool_key_layout,
     postprocess_kernel,
     send_integrity,
+    send_shedding,
 )
 
 SPECS = (
@@ -244,6 +263,7 @@ SPECS = (
     *mamba_precopy.SPECS,
     *mamba_lifetime.SPECS,
     *send_integrity.SPECS,
+    *send_shedding.SPECS,
     *postprocess_kernel.SPECS,
     *mamba_local_hit.SPECS,
     *mamba_pool_hit.SPECS,

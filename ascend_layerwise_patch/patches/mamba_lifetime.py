@@ -45,6 +45,8 @@ Full attention after a save timeout
 Integrity ``send_integrity.py`` (same group, hooked into these wrappers) adds: keys are finished as
          written only with every layer slot written; each queued layer keeps its own task list and
          arrays; the engine keeps stepping while events are open; stuck copies are reported.
+         ``send_shedding.py`` (same group) bounds the block references open sends hold: past the
+         bound a step's new saves are shed (hooked into the touch below).
 Removal  When vllm-ascend's worker reports completed events for layerwise sends itself (the
          fixed-upstream detector then skips the whole group). The group applies all or nothing:
          if the worker half cannot apply, the scheduler half does not either, and vllm-ascend's own
@@ -63,6 +65,7 @@ from ._checks import expects as _expects
 from ._checks import source as _source
 from ._checks import with_risk
 from . import send_integrity as _integrity
+from . import send_shedding as _shedding
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
@@ -134,6 +137,8 @@ def make_touch(original, hold_attention: bool | None = None):
                 if req_meta.partial_block_index is not None:
                     first = min(first, req_meta.partial_block_index)
                 held.extend(b for b in block_ids[first:] if b > 0)
+        if not _shedding.admit(self, req_meta, len(held)):
+            return None  # shed (send_shedding.py): can_save cleared, nothing held
         pool = self._block_pool
         assert pool is not None, "bind_gpu_block_pool() was not called"
         event_id = self.get_sending_event_id()

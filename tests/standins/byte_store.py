@@ -19,7 +19,8 @@ What the service does, as MemCache's GVA API is used by the layerwise path:
 - ``batch_add_lease`` / ``batch_remove_lease``: counted, never refused for a ready key.
 
 Faults (:meth:`PoolService.add_fault`): a copy whose keys match can return an error, raise, or
-block on a gate (bounded by ``GATE_LIMIT_S``), in either direction, once or every time.
+block on a gate (bounded by ``GATE_LIMIT_S``), in either direction, once or every time; a ``delay``
+fault makes it slow (it succeeds after ``delay()`` seconds, or when its gate opens).
 
 Records, per key: every write (offset, size, time, ok), the finish (result, time), so tests can ask
 which layer slots were written before the key became ready (:meth:`PoolService.written_slots`).
@@ -67,6 +68,7 @@ class Fault:
     times: int | None = None  # None: every matching copy; n: the next n
     gate: threading.Event = field(default_factory=threading.Event)
     hits: int = 0
+    delay: Callable[[], float] | None = None  # kind "delay": seconds the copy takes (cut short by the gate)
 
 
 @dataclass
@@ -109,9 +111,9 @@ class PoolService:
         with self.lock:
             self.regions.append((int(ptr), int(size)))
 
-    def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None) -> Fault:
-        assert kind in ("error", "raise", "gate"), kind
-        fault = Fault(kind, direction, match or (lambda key: True), times)
+    def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None, delay=None) -> Fault:
+        assert kind in ("error", "raise", "gate", "delay") and (kind == "delay") == (delay is not None), kind
+        fault = Fault(kind, direction, match or (lambda key: True), times, delay=delay)
         with self.lock:
             self.faults.append(fault)
         return fault
@@ -228,6 +230,8 @@ class PoolService:
         for f in faults:
             if f.kind == "gate":
                 f.gate.wait(GATE_LIMIT_S)
+            elif f.kind == "delay":  # a slow store: the copy succeeds after delay() s (or once the gate opens)
+                f.gate.wait(min(f.delay(), GATE_LIMIT_S))
         kinds = {f.kind for f in faults}
         if "raise" in kinds:
             self._log(direction, keys, -2)

@@ -59,7 +59,8 @@ def patched():
     reg.activate()
     reg.apply_pending()
     ours = [st for st in reg.status() if st.group == send_integrity.GROUP]
-    assert all(st.state == APPLIED or st.reason.startswith("already fixed upstream") for st in ours), ours
+    # (send_shedding is out of range on vllm-ascend 0.26: test_send_shedding.py)
+    assert all(st.state == APPLIED or st.reason.startswith(("already fixed upstream", "version out of range")) for st in ours), ours
     yield
     reg.activate()
 
