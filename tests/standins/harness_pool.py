@@ -74,6 +74,10 @@ GATE_LIMIT_S = 20.0  # a slow copy never waits longer than this for its gate (no
 #: PoolInstance.step: a step taking longer fails the test (watchdog). vllm-ascend 0.25.1rc1 may wait
 #: 10 s for each layer whose load never comes (unpatched runs), so a legitimate step can take 20 s+.
 STEP_LIMIT_S = 60.0
+#: when set, every rank's layer-load events time their waits out after ``timeout x LOAD_WAIT_SCALE``
+#: (vllm-ascend 0.25.1rc1's ``wait_for_layer_load`` waits 10 s for a load that never comes when
+#: the library is off: a library-off control can shorten that without changing what it shows)
+LOAD_WAIT_SCALE: float | None = None
 GVA_SHIFT = 20
 ADDR_SHIFT = 32
 
@@ -91,6 +95,19 @@ class ScaledEvent(threading.Event):
 
     def wait(self, timeout=None):
         return super().wait(None if timeout is None else timeout * TIME_SCALE)
+
+
+class _ScaledWait(threading.Event):
+    """``threading.Event`` whose timed waits last ``timeout x scale``."""
+
+    def __init__(self, scale: float, set_: bool = False):
+        super().__init__()
+        self.scale = scale
+        if set_:
+            self.set()
+
+    def wait(self, timeout=None):
+        return super().wait(None if timeout is None else timeout * self.scale)
 
 
 class NpuEvent:
@@ -904,6 +921,10 @@ class _Rank:
                     config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config
                 )
                 self.connector.register_kv_caches(kv_caches)  # starts the layer sending / receiving threads
+            events = getattr(self.connector.connector_worker, "layer_load_finished_events", None)
+            if LOAD_WAIT_SCALE is not None and events:  # the list the receiving thread shares
+                for i, ev in enumerate(events):
+                    events[i] = _ScaledWait(LOAD_WAIT_SCALE, set_=ev.is_set())
         # runner state
         from vllm.v1.worker import mamba_utils
         from vllm.v1.utils import CpuGpuBuffer

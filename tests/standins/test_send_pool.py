@@ -192,7 +192,10 @@ def test_faulty_layer_never_ready(patched, kind, tp):
 
 
 @pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
-def test_unpatched_raising_layer_publishes_a_gap(unpatched):
+def test_unpatched_raising_layer_publishes_a_gap(unpatched, monkeypatch):
+    import harness_pool
+
+    monkeypatch.setattr(harness_pool, "LOAD_WAIT_SCALE", 0.05)  # B's loads that never come: 0.5 s, not 10 s
     _pool, s = _faulty_save("raise", 1)
     print(f"\nunpatched raise: {s}")
     assert s["ready_with_gaps"] > 0 and s["wrong_reads_on_b"] > 0
