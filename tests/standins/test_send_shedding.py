@@ -208,27 +208,45 @@ def test_without_the_bound_the_pool_is_pinned(shedding_off):
 #: send_shedding is out of range on 0.26.0rc1: its save_kv_layer waits for the step's last layer
 #: without a limit. Only a rank that saves nothing at its last layer does not wait: at TP > KV heads
 #: (gdn_tp_keys) rank 1 saves its own GDN slices but not the attention layer (the leader's). A slow
-#: store there builds a backlog (its sends hold most of the pool), and then rank 1's sending thread
-#: finds a layer's finished event still set, its own assertion stops the thread, and the worker
-#: raises: the engine stops. (With the bound widened to 0.26 and at its defaults the same error
-#: came, earlier.) If this test fails, 0.26 serves through a slow non-leader store: revisit the range.
+#: store there builds a backlog: its sends hold most of the pool. In most runs rank 1's sending
+#: thread then finds a layer's finished event still set, its own assertion stops the thread and the
+#: worker raises: the engine stops. That assertion is a race of upstream's threads (a CI run on two
+#: busy cores once served the workload to its end instead), so the test holds the engine to either
+#: outcome and to the backlog in both. If it fails, 0.26 bounds a slow non-leader store's sends by
+#: itself: revisit send_shedding's range.
 NON_LEADER = (dict(num_blocks=240, max_num_seqs=16, tp=2, kv_heads=1), dict(requests=40, prompt=(20, 300), output=(1, 4)))
 
 
 @pytest.mark.pairs("v0260")
-def test_026_a_slow_non_leader_rank_stops_the_engine_instead(vllm_log):
+def test_026_a_slow_non_leader_rank_builds_a_backlog_or_stops_the_engine(vllm_log):
     row = {st.name: st for st in ascend_layerwise_patch.status()}["send_shedding"]
     assert row.state != APPLIED and "out of range" in row.reason, row
     inst_kw, soak_kw = NON_LEADER
     pool = make_pool()
     inst = PoolInstance(pool, max_model_len=512, **inst_kw)
+    cs = inst.scheduler.connector.connector_scheduler
+    held_max = 0
+    step = inst.step
+
+    def step_and_count():  # the backlog after every step, also when a step raises
+        nonlocal held_max
+        try:
+            return step()
+        finally:
+            held_max = max(held_max, sum(len(ids) for ids in cs.sending_blocks.values()))
+
+    inst.step = step_and_count
     fault = slow_store(pool, seed=0, match=lambda key: key.endswith("@tp1"))
+    stopped = None
     try:
-        with pytest.raises(RuntimeError, match="failed during asynchronous transfer"):
-            soak(inst, seed=0, deadline_s=60.0, **soak_kw)
+        soak(inst, seed=0, deadline_s=30.0, **soak_kw)  # the backlog builds in the first seconds
+    except RuntimeError as exc:
+        stopped = exc
     finally:
         fault.gate.set()
-    cs = inst.scheduler.connector.connector_scheduler
-    held = sum(len(ids) for ids in cs.sending_blocks.values())
-    print(f"\n0.26 non-leader slow: the engine stopped at step {inst.steps} with {held} block references held by open sends")
-    assert held > send_shedding.DEFAULT_FRACTION * (inst.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)
+    bound = send_shedding.DEFAULT_FRACTION * (inst.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)
+    outcome = f"the engine stopped at step {inst.steps}" if stopped else "served to the end"
+    print(f"\n0.26 non-leader slow: {outcome}; at most {held_max} block references held by open sends (bound {bound:.0f})")
+    if stopped is not None:
+        assert "failed during asynchronous transfer" in str(stopped), stopped
+    assert held_max > bound
