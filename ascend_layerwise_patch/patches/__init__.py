@@ -238,6 +238,16 @@ imports nothing heavy at import time (factories import their targets' neighbours
             load_failures' modules can be resolved, so it cannot share that group.
    How:     lifts the refusal while load_failures is applied or pending in the process.
    Remove:  with load_failures, or when vllm-ascend drops the refusal (detected: skips itself).
+
+** pool_metrics ** (``pool_metrics.py``; counts bumped by the other groups in ``pool_events.py``)
+   Target:  ascend_store_connector.AscendStoreConnector.get_kv_connector_stats, and its class
+            methods build_kv_connector_stats and build_prom_metrics (vLLM's base returns None).
+   Why:     the pool's failures (loads failed / raised / late, rollbacks, keys finished as failed,
+            stuck sends, shed saves, blocks held by open sends) are invisible to an operator.
+   How:     vLLM's own connector-stats path: worker stats aggregated over TP by KVOutputAggregator,
+            vllm:ascend_pool_* metrics through PrometheusStatLogger, the KV-transfer log line.
+   Upstream: not implemented in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
+   Remove:  when AscendStoreConnector defines get_kv_connector_stats (detected: the group skips).
 """
 
 from __future__ import annotations
@@ -256,6 +266,7 @@ from . import (
     send_integrity,
     send_shedding,
 )
+from . import pool_metrics  # noqa: E402 - issue 26, appended
 
 SPECS = (
     *connector_guards.SPECS,
@@ -270,4 +281,5 @@ SPECS = (
     *gdn_tp_keys.SPECS,
     *pool_key_layout.SPECS,
     *load_failures.SPECS,
+    *pool_metrics.SPECS,
 )

@@ -93,6 +93,7 @@ import importlib
 import threading
 import time
 
+from .. import pool_events
 from ..registry import APPLIED, PENDING, PatchSpec, logger
 from . import mamba_pool_hit as _pool_hit
 from ._checks import with_risk
@@ -173,6 +174,10 @@ def make_batch_copy(original):
         except Exception as exc:  # noqa: BLE001 - a raising store is a failed copy
             logger().error("ascend_layerwise_patch: layerwise load batch_copy raised %r; reported as failed", exc)
             res = -1
+            pool_events.bump("load_raised")
+        else:
+            if res != 0:
+                pool_events.bump("load_failed")
         if res != 0:
             self.__dict__[_FAILED_COPY] = res
         return res
@@ -220,6 +225,7 @@ def make_send_handle(original):
                     for key in dropped:
                         if not results.get(key):
                             results[key] = DROPPED
+                    pool_events.bump("pool_keys_failed", len(dropped))
                     logger().warning(
                         "ascend_layerwise_patch: %d pool key(s) saved in a step whose layerwise load failed "
                         "are finished as failed (not published)",
@@ -369,6 +375,7 @@ def make_wait(original):
             event.clear()
             _report(self, state.take())
             return
+        pool_events.bump("load_late")
         logger().warning(
             "ascend_layerwise_patch: layerwise load of layer %d timed out after %.0f s (requests %s); "
             "the step's loads are reported to the scheduler and the rest of them abandoned",
@@ -507,6 +514,7 @@ def make_handle_invalid(original):
             self._preempt_request(request, now)
             request.async_tokens_to_discard += in_flight
             request.num_output_placeholders = 0
+        pool_events.bump("requests_rolled_back", len(rolled))
         logger().warning(
             "ascend_layerwise_patch: request(s) %s preempted after a failed KV load (recompute); %d block(s) "
             "evicted from the prefix cache",

@@ -64,6 +64,7 @@ import threading
 import time
 import weakref
 
+from .. import pool_events
 from ..registry import MARKER, PatchSpec, logger
 from ._checks import source as _source
 from ._checks import with_risk
@@ -99,6 +100,7 @@ def counters() -> dict[str, int]:
 def _count(name: str, n: int = 1) -> None:
     with _counts_lock:
         _counts[name] += n
+    pool_events.bump({"incomplete_keys_failed": "pool_keys_failed", "stuck_sends_total": "stuck_sends"}[name], n)
 
 
 class _Written:

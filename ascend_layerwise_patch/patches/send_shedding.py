@@ -59,6 +59,7 @@ import re
 import threading
 import time
 
+from .. import pool_events
 from ..registry import PatchSpec, logger
 from ._checks import source as _source
 from ._checks import with_risk
@@ -171,6 +172,7 @@ def _note(shed: int, held: int, limit: int, now: float | None = None) -> None:
         if not shed:
             return
         _counts["shed_saves"] += shed
+        pool_events.bump("saves_shed", shed)
         _counts["shed_steps"] += 1
         _warned["since"] += shed
         now = time.monotonic() if now is None else now

@@ -1,0 +1,192 @@
+"""The layerwise pool's health on vLLM's /metrics and in its periodic KV-transfer log line (issue 26).
+
+Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector
+         .AscendStoreConnector.get_kv_connector_stats, and its class methods
+         build_kv_connector_stats and build_prom_metrics (all three inherited from vLLM's
+         KVConnectorBase_V1, where they return None).
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases).
+Why      Everything this library catches (failed / raising / late loads, requests rolled back, pool
+         keys finished as failed, stuck sends, saves shed, blocks held by open send events) is only
+         in a log line or in ``status()`` inside the process. vLLM already carries connector stats
+         from every worker to the scheduler (``KVOutputAggregator``), into its "KV Transfer
+         metrics" log line (``KVConnectorLogging``) and onto /metrics (``KVConnectorProm``, called
+         by ``PrometheusStatLogger``) -- for a connector that implements the three methods;
+         AscendStoreConnector implements none of them.
+How      The other groups bump plain counters in ``ascend_layerwise_patch.pool_events`` (a neutral
+         module: a group never imports another group) where they act. Once per step every
+         connector half drains its process's counts (one dict truth test when nothing happened)
+         into an ``AscendPoolStats`` (``_pool_metrics_types``): a worker's travel to the scheduler
+         in its ModelRunnerOutput and are summed over the TP workers by vLLM's aggregator; the
+         scheduler half adds its own counts and the two send gauges (references held by open
+         send events, open events; reported when they change). ``build_kv_connector_stats``
+         rebuilds the stats for vLLM's log line (counts summed over the interval, gauges as the
+         interval's peak); ``build_prom_metrics`` registers ``vllm:ascend_pool_*`` counters and
+         gauges with vLLM's ``model_name`` / ``engine`` labels (the README lists them).
+         ``ASCEND_LAYERWISE_PATCH_SKIP=pool_metrics`` leaves the three methods as they are.
+Removal  When AscendStoreConnector implements get_kv_connector_stats itself (detected: the group
+         then skips itself; its figures would then be upstream's).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .. import pool_events
+from ..registry import PatchSpec
+from ._checks import source as _source
+from ._checks import with_risk
+
+VLLM = ">=0.25.0,<0.27"
+VLLM_ASCEND = ">=0.25.1,<0.27"
+GROUP = "pool_metrics"
+CONNECTOR = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector:AscendStoreConnector"
+_LAST = "_ascend_layerwise_patch_gauges"  # scheduler half: the gauges last reported
+
+
+def _types():
+    from . import _pool_metrics_types
+
+    return _pool_metrics_types
+
+
+def _gauges(self, sched) -> dict[str, int] | None:
+    """The scheduler's send gauges if they changed since the last report, else None."""
+    events = sched.sending_events
+    last = self.__dict__.get(_LAST)
+    if not events and (last is None or last == (0, 0)):
+        return None  # nothing open, nothing open last time: the per-step path
+    now = (sum(len(ids) for ids in sched.sending_blocks.values()), len(events))
+    if now == last:
+        return None
+    self.__dict__[_LAST] = now
+    return {"send_held_blocks": now[0], "send_open_events": now[1]}
+
+
+def make_get_stats(original):
+    @functools.wraps(original)
+    def get_kv_connector_stats(self):
+        counts = pool_events.drain()
+        sched = self.__dict__.get("connector_scheduler")
+        gauges = _gauges(self, sched) if sched is not None and getattr(sched, "use_layerwise", False) else None
+        if counts is None and gauges is None:
+            return original(self)
+        return _types().AscendPoolStats(data={"counts": counts or {}, "gauges": gauges or {}})
+
+    return get_kv_connector_stats
+
+
+class _ClassMethod(classmethod):
+    """A class method the registry can tag (``classmethod.__wrapped__`` is read-only)."""
+
+    __wrapped__ = None
+
+
+def make_build_stats(original):
+    def build_kv_connector_stats(cls, data=None):
+        return _types().AscendPoolStats(data=dict(data) if data else {})
+
+    return _ClassMethod(build_kv_connector_stats)
+
+
+def make_build_prom(original):
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return _types().AscendPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    return _ClassMethod(build_prom_metrics)
+
+
+# ----------------------------------------------------------------------------- checks on targets
+def _connector():
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import ascend_store_connector
+
+    return ascend_store_connector.AscendStoreConnector
+
+
+def _defines(name: str):
+    def check(_original) -> str | None:
+        if name in vars(_connector()):
+            return f"AscendStoreConnector defines {name} itself"
+        return None
+
+    return check
+
+
+def _get_stats_ok(original) -> str | None:
+    import inspect
+
+    if list(inspect.signature(original).parameters) != ["self"]:
+        return "get_kv_connector_stats takes more than self"
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if "get_kv_connector_stats" not in _source(Scheduler.update_from_output):
+        return "vLLM's scheduler no longer collects get_kv_connector_stats"
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_scheduler
+
+    init = _source(pool_scheduler.KVPoolScheduler.__init__)
+    if "sending_events" not in init or "sending_blocks" not in init:
+        return "KVPoolScheduler no longer keeps sending_events / sending_blocks"
+    return None
+
+
+def _classmethod_ok(params: list[str], caller: str, module: str):
+    def check(original) -> str | None:
+        import importlib
+        import inspect
+
+        func = getattr(original, "__func__", None)
+        if func is None:
+            return f"{original!r} is no longer a class method"
+        got = list(inspect.signature(func).parameters)
+        if got != params:
+            return f"{func.__qualname__} parameters are {got}, expected {params}"
+        if func.__name__ not in _source(importlib.import_module(module)):
+            return f"{module} no longer calls {func.__name__} ({caller})"
+        return None
+
+    return check
+
+
+_RISK = "the pool's failures stay off /metrics and the KV-transfer log line"
+_METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+
+SPECS = (
+    PatchSpec(
+        name="pool_metrics_stats",
+        group=GROUP,
+        target=f"{CONNECTOR}.get_kv_connector_stats",
+        factory=make_get_stats,
+        why="the pool's failure counts and send gauges travel as vLLM connector stats (all TP workers)",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=with_risk(_get_stats_ok, _RISK),
+        fixed_upstream=_defines("get_kv_connector_stats"),
+        counters=pool_events.pending,
+    ),
+    PatchSpec(
+        name="pool_metrics_log",
+        group=GROUP,
+        target=f"{CONNECTOR}.build_kv_connector_stats",
+        factory=make_build_stats,
+        why="the same figures in vLLM's periodic KV-transfer log line",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=with_risk(_classmethod_ok(["cls", "data"], "KVConnectorLogging", _METRICS), _RISK),
+        fixed_upstream=_defines("build_kv_connector_stats"),
+    ),
+    PatchSpec(
+        name="pool_metrics_prom",
+        group=GROUP,
+        target=f"{CONNECTOR}.build_prom_metrics",
+        factory=make_build_prom,
+        why="vllm:ascend_pool_* counters and gauges on vLLM's /metrics (PrometheusStatLogger)",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=with_risk(
+            _classmethod_ok(
+                ["cls", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"], "KVConnectorProm", _METRICS
+            ),
+            _RISK,
+        ),
+        fixed_upstream=_defines("build_prom_metrics"),
+    ),
+)
