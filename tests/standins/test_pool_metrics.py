@@ -1,0 +1,234 @@
+"""Issue 26: the pool's health reaches vLLM's /metrics and its "KV Transfer metrics" log line.
+
+Harness: tests/standins/harness_pool.py (``PoolInstance``: vLLM's real Scheduler, the AscendStore
+connector halves on every TP rank, vLLM's ``KVOutputAggregator``, a byte-level MemCache with faults)
+and its ``StatsTap`` (the scheduler's ``log_stats`` on; every ``SchedulerStats`` handed to vLLM's own
+``PrometheusStatLogger`` -- registry of its own -- and ``KVConnectorLogging``). Each scenario is one
+fault the other groups already handle (the faults of test_load_failures_pool.py, test_send_integrity.py
+and test_send_shedding.py, set up with the same harness helpers) on a TP=2 instance; the scrape shows
+that fault's figure and 0 for every other one. With the group off, a failing pool shows nothing.
+
+The TP ranks of the harness share one process, so one rank's ``get_kv_connector_stats`` drains the
+counts the process's threads bumped; in a server each worker process reports its own, and the
+aggregator sums them either way (the test checks the figures arrive in the workers' aggregated
+output, before the scheduler adds its own).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import ascend_layerwise_patch
+from ascend_layerwise_patch import pool_events
+from ascend_layerwise_patch.patches import load_failures, pool_metrics, send_integrity, send_shedding
+from ascend_layerwise_patch.registry import APPLIED, SKIPPED
+
+from support import PAIR
+
+PAIRS = ("v0251", "v0260")
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+from byte_store import G2L, L2G  # noqa: E402
+from harness_pool import TIME_SCALE, PoolInstance, StatsTap, engine_loop, make_pool, slow_store, soak  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+PROMPT = list(range(3000, 3040))  # 2 full blocks of 16 in the pool
+B_PROMPT = PROMPT[:32] + list(range(6000, 6016)) + [1, 2, 3]
+COUNTERS = {
+    "load_failed": ("vllm:ascend_pool_load_failures_total", "failed"),
+    "load_raised": ("vllm:ascend_pool_load_failures_total", "raised"),
+    "load_late": ("vllm:ascend_pool_load_failures_total", "late"),
+    "requests_rolled_back": ("vllm:ascend_pool_requests_rolled_back_total", None),
+    "pool_keys_failed": ("vllm:ascend_pool_keys_failed_total", None),
+    "stuck_sends": ("vllm:ascend_pool_stuck_sends_total", None),
+    "saves_shed": ("vllm:ascend_pool_saves_shed_total", None),
+}
+GAUGES = ("vllm:ascend_pool_send_held_blocks", "vllm:ascend_pool_send_open_events")
+
+
+def _activate(on: bool) -> None:
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    env = dict(os.environ)
+    if not on:
+        env["ASCEND_LAYERWISE_PATCH_SKIP"] = pool_metrics.GROUP
+    reg.activate(environ=env)
+    reg.apply_pending()
+    states = {st.state for st in reg.status() if st.group == pool_metrics.GROUP}
+    assert states == {APPLIED if on else SKIPPED}, states
+
+
+@pytest.fixture
+def library():
+    pool_events.drain()  # nothing left over from other tests in this process
+    yield _activate
+    _activate(True)
+
+
+def _figures(tap: StatsTap, inst: PoolInstance) -> dict[str, float]:
+    """Each figure as scraped (the engine's labels), and a check that every metric is there."""
+    got = tap.scrape("vllm:ascend_pool")
+    engine = {"engine": "0", "model_name": inst.configs[0].model_config.served_model_name}  # vLLM's labels
+
+    def sample(name, **more):
+        return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted({**engine, **more}.items())) + "}"
+
+    out = {}
+    for key, (name, kind) in COUNTERS.items():
+        s = sample(name, kind=kind) if kind else sample(name)
+        assert s in got, (s, sorted(got))
+        out[key] = got[s]
+    for name in GAUGES:
+        out[name.rpartition("_pool_")[2]] = got[sample(name)]
+    return out
+
+
+def _text(tap: StatsTap) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(tap.registry).decode()
+
+
+def _worker_counts(inst: PoolInstance) -> dict[str, int]:
+    """The counts carried by the workers' aggregated outputs (before the scheduler's own)."""
+    total: dict[str, int] = {}
+    for out in inst.kv_outputs:
+        stats = getattr(out, "kv_connector_stats", None) if out is not None else None
+        for key, n in (stats.data.get("counts", {}) if stats is not None else {}).items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
+def _fill(pool) -> None:
+    a = PoolInstance(pool, name="A", tp=2)
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+
+
+def _load_fault_run(fault: str | None):
+    """A fills the pool; B (TP=2, recompute) hits 32 tokens and its first GDN load gets ``fault``."""
+    pool = make_pool()
+    _fill(pool)
+    policy = "recompute" if fault else "fail"  # vLLM's default (0.26: vllm-ascend refuses recompute for hybrids)
+    b = PoolInstance(pool, name="B", tp=2, kv_load_failure_policy=policy)
+    tap = StatsTap(b)
+    group = str(b.group_of[b.gdn_layers[0]])
+    f = pool.add_fault(fault, direction=G2L, times=1, match=lambda k: k.split("@")[1] == group) if fault else None
+
+    def after(inst, _so):
+        if f is not None and inst.steps >= 1:
+            f.gate.set()
+
+    b.add_request("b", B_PROMPT, max_tokens=3)
+    engine_loop(b, on_step=after)
+    assert not b.has_work() and pool.violations == []
+    return b, tap, f, pool
+
+
+ZERO = dict.fromkeys(COUNTERS, 0.0) | {"send_held_blocks": 0.0, "send_open_events": 0.0}
+
+
+# ------------------------------------------------------------------------------------- v0251
+@pytest.mark.pairs("v0251", "v0260")
+def test_a_clean_run_shows_every_metric_at_zero(library):
+    library(True)
+    b, tap, _f, _pool = _load_fault_run(None)
+    assert _figures(tap, b) == ZERO
+    text = _text(tap)
+    assert "# HELP vllm:ascend_pool_load_failures_total Layerwise KV pool loads that failed" in text
+    # no count in the log line; on 0.25.1rc1 it carries the send backlog's peak (each step's sends
+    # outlive it there: save_kv_layer does not wait for them); 0.26.0rc1's close within the step
+    lines = tap.log_lines()
+    assert len(lines) == (1 if PAIR == "v0251" else 0), lines
+    for line in lines:
+        assert [p.split("=")[0] for p in line.split(": ")[1].split(", ")] == ["send_held_blocks_peak", "send_open_events_peak"]
+    assert b.outputs["b"] and any(s.kv_connector_stats is None for s in tap.stats)
+
+
+@pytest.mark.pairs("v0251")
+@pytest.mark.parametrize("fault,kind", [("error", "load_failed"), ("raise", "load_raised"), ("gate", "load_late")])
+def test_a_failed_load_is_counted_by_kind_with_its_rollback(library, monkeypatch, fault, kind):
+    library(True)
+    monkeypatch.setattr(load_failures, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
+    b, tap, f, pool = _load_fault_run(fault)
+    assert f.hits == 1
+    got = _figures(tap, b)
+    # the 2 keys the failed step saved (block 2 of the GDN and attention groups, the failing rank's
+    # load_failures WARNING names 2), finished as failed by load_failures_saves
+    keys_failed = 2.0
+    assert got == ZERO | {kind: 1.0, "requests_rolled_back": 1.0, "pool_keys_failed": keys_failed}
+    # the load's count came from a worker, through vLLM's aggregation of the TP ranks' outputs
+    assert _worker_counts(b).get(kind) == 1
+    lines = tap.log_lines()
+    assert len(lines) == 1 and lines[0].startswith("KV Transfer metrics: ")
+    assert f"{kind}=1" in lines[0] and "requests_rolled_back=1" in lines[0], lines
+    print(f"\n{fault}: {lines[0]}")
+
+
+@pytest.mark.pairs("v0251")
+def test_with_the_group_off_a_failing_pool_shows_nothing(library, monkeypatch):
+    library(False)
+    b, tap, f, _pool = _load_fault_run("error")
+    assert f.hits == 1
+    assert tap.scrape("vllm:ascend_pool") == {}
+    assert all(s.kv_connector_stats is None for s in tap.stats) and tap.log_lines() == []
+    pool_events.drain()  # what the other groups counted meanwhile
+
+
+@pytest.mark.pairs("v0251")
+def test_a_hung_send_is_counted_and_its_held_blocks_shown(library, monkeypatch):
+    """One save copy of rank 1 hangs several steps (save_kv_layer's scaled wait gives up); then returns."""
+    library(True)
+    monkeypatch.setattr(send_integrity, "STUCK_AFTER_S", 10.0 * TIME_SCALE)
+    monkeypatch.setattr(send_integrity, "STUCK_REPEAT_S", 60.0)
+    pool = make_pool()
+    inst = PoolInstance(pool, name="A", tp=2)
+    inst.scale_save_wait()
+    tap = StatsTap(inst)
+    f = pool.add_fault("gate", direction=L2G, times=1, match=lambda k: k.endswith("@1"))
+    total0 = send_integrity.counters()["stuck_sends_total"]
+    seen: list[dict] = []
+
+    def watch(i, _so):
+        seen.append(_figures(tap, i))
+        if send_integrity.counters()["stuck_sends_total"] > total0 or i.steps > 200:
+            f.gate.set()
+
+    inst.add_request("a", PROMPT, max_tokens=2)
+    engine_loop(inst, on_step=watch)
+    got = _figures(tap, inst)
+    assert f.hits == 1 and send_integrity.counters()["stuck_sends_total"] == total0 + 1
+    assert got == ZERO | {"stuck_sends": 1.0}  # ... and every block given back at the end
+    held = max(s["send_held_blocks"] for s in seen)
+    assert held > 0 and max(s["send_open_events"] for s in seen) >= 1
+    line = "".join(tap.log_lines())
+    assert "stuck_sends=1" in line and f"send_held_blocks_peak={int(held)}" in line, line
+    print(f"\nhung send: peak {held:.0f} block references held; {line}")
+
+
+@pytest.mark.pairs("v0251")
+def test_slow_sends_shed_saves_as_counted_by_the_bound(library, monkeypatch):
+    """test_send_shedding's slow store (smaller): the shed saves on /metrics equal the bound's own count."""
+    library(True)
+    monkeypatch.setattr(send_integrity, "STUCK_AFTER_S", 0.12)
+    monkeypatch.setattr(send_shedding, "_warned", {"at": None, "since": 0})
+    shed0 = send_shedding.counters()["shed_saves"]
+    stuck0 = send_integrity.counters()["stuck_sends_total"]
+    pool = make_pool()
+    inst = PoolInstance(pool, max_model_len=512, num_blocks=120, max_num_seqs=8, tp=2)
+    inst.scale_save_wait()
+    tap = StatsTap(inst)
+    fault = slow_store(pool, seed=0)
+    soak(inst, seed=0, deadline_s=30.0, on_finished=lambda _i: fault.gate.set(), requests=12, prompt=(20, 200), output=(1, 3))
+    assert not inst.has_work()
+    got = _figures(tap, inst)
+    shed = send_shedding.counters()["shed_saves"] - shed0
+    stuck = send_integrity.counters()["stuck_sends_total"] - stuck0
+    assert shed > 0
+    assert got == ZERO | {"saves_shed": float(shed), "stuck_sends": float(stuck)}
+    print(f"\nslow store: {tap.log_lines()}")
