@@ -50,26 +50,38 @@ def _types():
 
 
 def _gauges(self, sched) -> dict[str, int] | None:
-    """The scheduler's send gauges if they changed since the last report, else None."""
+    """The scheduler's send gauges if they changed since the last report, else None.
+
+    Held blocks are only summed when the set of open events changed (its size, oldest or newest id:
+    events open and close as a whole, their block lists are not edited in place)."""
     events = sched.sending_events
-    last = self.__dict__.get(_LAST)
-    if not events and (last is None or last == (0, 0)):
-        return None  # nothing open, nothing open last time: the per-step path
-    now = (sum(len(ids) for ids in sched.sending_blocks.values()), len(events))
-    if now == last:
+    last = self.__dict__.get(_LAST)  # (events' mark, (held, open)) last reported
+    if not events:
+        if last is None or last[1] == (0, 0):
+            return None  # nothing open, nothing open last time: the per-step path
+        self.__dict__[_LAST] = (None, (0, 0))
+        return {"send_held_blocks": 0, "send_open_events": 0}
+    mark = (len(events), next(iter(events)), next(reversed(events)))
+    if last is not None and last[0] == mark:
         return None
-    self.__dict__[_LAST] = now
+    now = (sum(len(ids) for ids in sched.sending_blocks.values()), len(events))
+    self.__dict__[_LAST] = (mark, now)
+    if last is not None and last[1] == now:
+        return None
     return {"send_held_blocks": now[0], "send_open_events": now[1]}
 
 
 def make_get_stats(original):
+    # upstream's (KVConnectorBase_V1's) returns None: a step with nothing to report returns None too
+    drain = pool_events.drain
+
     @functools.wraps(original)
     def get_kv_connector_stats(self):
-        counts = pool_events.drain()
+        counts = drain()
         sched = self.__dict__.get("connector_scheduler")
-        gauges = _gauges(self, sched) if sched is not None and getattr(sched, "use_layerwise", False) else None
+        gauges = _gauges(self, sched) if sched is not None else None
         if counts is None and gauges is None:
-            return original(self)
+            return None
         return _types().AscendPoolStats(data={"counts": counts or {}, "gauges": gauges or {}})
 
     return get_kv_connector_stats

@@ -147,6 +147,11 @@ def test_check_json_records_every_place_with_its_state():
             assert patches[spec.name]["state"] == "skipped" and "version out of range" in patches[spec.name]["reason"]
     else:
         assert set(states.values()) == {"skipped"}
+    # issue 26: pool_metrics applies on 0.25.x and the 0.26 pair (vllm-ascend implements none of the three methods)
+    from ascend_layerwise_patch.patches import pool_metrics
+
+    metrics = {patches[s.name]["state"] for s in pool_metrics.SPECS}
+    assert metrics == ({"skipped"} if PAIR == "v0240" else {"applied"}), metrics
 
 
 @pytest.mark.pairs("v0251", "v0250")

@@ -1,0 +1,99 @@
+"""Cost of the pool_metrics group per engine step, against none, side by side in one process.
+
+    .matrix/v0251/bin/python scripts/bench_pool_metrics.py [--quick]
+
+CPU, NPU runtime stood in, real vLLM 0.25.1 + vllm-ascend 0.25.1rc1 objects (made as
+tests/standins/harness_pool.py makes them). Per step vLLM calls ``get_kv_connector_stats`` once on
+every worker (``KVConnectorModelRunnerMixin``) and once on the scheduler (``update_from_output``);
+upstream's is the base class's ``return None``. Timed: a worker half and the scheduler half with
+nothing to report (the steady state), the scheduler with open send events that did not change
+since the last step, and a step that has counts to report (a fault was counted: builds the stats).
+The bumps themselves sit on fault paths only. The issue's bound: at most 1 us per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import timeit
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "standins")]
+
+BOUND_NS = 1000.0  #: the issue's budget per step for the stats collection
+
+
+def per_call_ns(fn, number: int) -> float:
+    return timeit.Timer(fn).timeit(number=number) / number * 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (CI smoke)")
+    args = parser.parse_args()
+    number, repeat = (2_000, 2) if args.quick else (200_000, 7)
+
+    from ascend_layerwise_patch import cpu_standins
+
+    cpu_standins.install()
+    import ascend_layerwise_patch as alp
+    import harness_pool as hp
+    from ascend_layerwise_patch import pool_events
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import ascend_store_connector
+
+    alp.REGISTRY.apply_pending()
+    conn_cls = ascend_store_connector.AscendStoreConnector
+    ours = conn_cls.get_kv_connector_stats
+    base = ours.__wrapped__
+    assert getattr(ours, alp.registry.MARKER, None) == "pool_metrics_stats", "pool_metrics is not applied"
+
+    worker = object.__new__(conn_cls)  # __init__ needs a VllmConfig with a model and a store client
+    worker.connector_scheduler = None
+    sched = object.__new__(conn_cls)
+    sched.connector_scheduler = hp.make_scheduler(BlockPool(64, enable_caching=False, hash_block_size=hp.BS), 1)
+    sched.connector_scheduler.use_layerwise = True
+
+    def step_with_a_count():
+        pool_events.bump("load_failed")
+        ours(worker)
+
+    cases = [
+        ("worker, nothing to report", lambda: base(worker), lambda: ours(worker)),
+        ("scheduler, no open send event", lambda: base(sched), lambda: ours(sched)),
+    ]
+    rows = []
+    for name, a_fn, b_fn in cases:
+        a, b = [], []
+        for _ in range(repeat):  # interleaved: drift hits both sides alike
+            a.append(per_call_ns(a_fn, number))
+            b.append(per_call_ns(b_fn, number))
+        rows.append((name, min(a), min(b)))
+    cs = sched.connector_scheduler
+    cs.sending_events.update({7: 0, 8: 0})
+    cs.sending_blocks.update({7: list(range(1, 17)), 8: list(range(17, 33))})
+    ours(sched)  # the gauges reported once; unchanged from here on
+    a = [per_call_ns(lambda: base(sched), number) for _ in range(repeat)]
+    b = [per_call_ns(lambda: ours(sched), number) for _ in range(repeat)]
+    rows.append(("scheduler, 2 open send events (32 blocks), unchanged", min(a), min(b)))
+    a = [per_call_ns(lambda: base(worker), number // 10) for _ in range(repeat)]
+    b = [per_call_ns(step_with_a_count, number // 10) for _ in range(repeat)]
+    rows.append(("worker, a step with a count (bump + stats built)", min(a), min(b)))
+
+    width = max(len(r[0]) for r in rows)
+    print(f"{'case'.ljust(width)}  upstream ns  patched ns  added ns  ratio")
+    for name, x, y in rows:
+        print(f"{name.ljust(width)}  {x:11.1f}  {y:10.1f}  {y - x:8.1f}  {y / x:5.2f}x")
+    # a step: every worker and the scheduler, in the steady state (nothing to report)
+    worker_ns, idle_ns, open_ns = (r[2] - r[1] for r in rows[:3])
+    print(
+        f"step, TP=1, nothing to report: {worker_ns + idle_ns:.0f} ns added with no open send event, "
+        f"{worker_ns + open_ns:.0f} ns with open ones ({(worker_ns + open_ns) / BOUND_NS:.2f} of the 1 us budget); "
+        f"each further TP worker {worker_ns:.0f} ns (in its own process: not on the scheduler's step)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
