@@ -95,7 +95,8 @@ class _ClassMethod(classmethod):
 
 def make_build_stats(original):
     def build_kv_connector_stats(cls, data=None):
-        return _types().AscendPoolStats(data=dict(data) if data else {})
+        data = data or {}  # copied: the accumulator vLLM's log line keeps adds into its own dicts
+        return _types().AscendPoolStats(data={"counts": dict(data.get("counts", {})), "gauges": dict(data.get("gauges", {}))})
 
     return _ClassMethod(build_kv_connector_stats)
 
