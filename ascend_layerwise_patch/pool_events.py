@@ -15,6 +15,9 @@ carried to the KV-transfer log line):
   load_failures_saves).
 - ``stuck_sends``: layer sends found in flight past save_kv_layer's wait (send_integrity).
 - ``saves_shed``: request saves shed by the send backlog bound (send_shedding).
+- ``tokens_recomputed``: tokens a rolled-back request computes again (load_failures_rollback).
+- ``hits_cut_back``: layerwise pool hit checks moved down to a block where every mamba group's state
+  is saved (mamba_pool_hit; counted per hit check: a waiting request may be checked again).
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ COUNTERS = (
      "Layerwise KV sends found still in flight past save_kv_layer's wait (their blocks stay held)."),
     ("saves_shed", "vllm:ascend_pool_saves_shed",
      "Request saves to the KV pool shed because the send backlog passed its bound."),
+    ("tokens_recomputed", "vllm:ascend_pool_tokens_recomputed",
+     "Tokens computed again by requests rolled back after a failed KV pool load."),
+    ("hits_cut_back", "vllm:ascend_pool_hits_cut_back",
+     "Layerwise pool hit checks cut back to the last block where every mamba group's state is saved."),
 )
 GAUGE_HELP = {
     "send_held_blocks": ("vllm:ascend_pool_send_held_blocks",

@@ -485,6 +485,7 @@ def make_handle_invalid(original):
 
     @functools.wraps(original)
     def _handle_invalid_blocks(self, invalid_block_ids, num_scheduled_tokens):
+        before = {r.request_id: r.num_computed_tokens for r in self.running}  # only called on a failed load
         failed = original(self, invalid_block_ids, num_scheduled_tokens)
         groups = self.kv_cache_config.kv_cache_groups
         if not failed or not self.recompute_kv_load_failures or len(groups) <= 1:
@@ -494,8 +495,9 @@ def make_handle_invalid(original):
             return failed
         manager = self.kv_cache_manager
         evict: set[int] = set()
+        points = {}
         for request in rolled:
-            point = request.num_computed_tokens  # where _update_requests_with_invalid_blocks rolled it back to
+            point = points[request.request_id] = request.num_computed_tokens  # where _update_requests_with_invalid_blocks rolled it back to
             tables = [manager.get_block_ids(request.request_id)]
             recorded = _as_scheduled(request, num_scheduled_tokens)
             if recorded is not None:  # async: blocks the failed step held that align mode freed since
@@ -515,6 +517,7 @@ def make_handle_invalid(original):
             request.async_tokens_to_discard += in_flight
             request.num_output_placeholders = 0
         pool_events.bump("requests_rolled_back", len(rolled))
+        pool_events.bump("tokens_recomputed", sum(before.get(r.request_id, 0) - points[r.request_id] for r in rolled))
         logger().warning(
             "ascend_layerwise_patch: request(s) %s preempted after a failed KV load (recompute); %d block(s) "
             "evicted from the prefix cache",

@@ -50,6 +50,7 @@ import functools
 import importlib
 import math
 
+from .. import pool_events
 from ..registry import PatchSpec
 from ._checks import expects, source
 from ._checks import param_names as _params
@@ -131,8 +132,11 @@ def state_aligned_hit(original):
                 hit = min(hit, contiguous * ebs)
         unit = math.lcm(*sizes)
         hit -= hit % unit
+        aligned = hit
         while hit > 0 and not all(hit // ebs <= len(ready) and ready[hit // ebs - 1] for ebs, ready in ready_by_mamba):
             hit -= unit
+        if hit < aligned:
+            pool_events.bump("hits_cut_back")
         return hit
 
     return _get_layerwise_gva_hit_tokens

@@ -47,6 +47,8 @@ COUNTERS = {
     "pool_keys_failed": ("vllm:ascend_pool_keys_failed_total", None),
     "stuck_sends": ("vllm:ascend_pool_stuck_sends_total", None),
     "saves_shed": ("vllm:ascend_pool_saves_shed_total", None),
+    "tokens_recomputed": ("vllm:ascend_pool_tokens_recomputed_total", None),
+    "hits_cut_back": ("vllm:ascend_pool_hits_cut_back_total", None),
 }
 GAUGES = ("vllm:ascend_pool_send_held_blocks", "vllm:ascend_pool_send_open_events")
 
@@ -110,7 +112,7 @@ def _fill(pool) -> None:
     engine_loop(a)
 
 
-def _load_fault_run(fault: str | None):
+def _load_fault_run(fault: str | None, evict_gdn: bool = False):
     """A fills the pool; B (TP=2, recompute) hits 32 tokens and its first GDN load gets ``fault``."""
     pool = make_pool()
     _fill(pool)
@@ -118,6 +120,8 @@ def _load_fault_run(fault: str | None):
     b = PoolInstance(pool, name="B", tp=2, kv_load_failure_policy=policy)
     tap = StatsTap(b)
     group = str(b.group_of[b.gdn_layers[0]])
+    if evict_gdn:  # MemCache evicted A's GDN states, its attention blocks are still there
+        assert pool.evict(lambda k: k.split("@")[1] == group)
     f = pool.add_fault(fault, direction=G2L, times=1, match=lambda k: k.split("@")[1] == group) if fault else None
 
     def after(inst, _so):
@@ -161,13 +165,23 @@ def test_a_failed_load_is_counted_by_kind_with_its_rollback(library, monkeypatch
     # the 2 keys the failed step saved (block 2 of the GDN and attention groups, the failing rank's
     # load_failures WARNING names 2), finished as failed by load_failures_saves
     keys_failed = 2.0
-    assert got == ZERO | {kind: 1.0, "requests_rolled_back": 1.0, "pool_keys_failed": keys_failed}
+    # rolled back to token 0 (align mode keeps the latest GDN state only): the 32 tokens hit + 16 computed
+    assert got == ZERO | {kind: 1.0, "requests_rolled_back": 1.0, "pool_keys_failed": keys_failed, "tokens_recomputed": 48.0}
     # the load's count came from a worker, through vLLM's aggregation of the TP ranks' outputs
     assert _worker_counts(b).get(kind) == 1
     lines = tap.log_lines()
     assert len(lines) == 1 and lines[0].startswith("KV Transfer metrics: ")
     assert f"{kind}=1" in lines[0] and "requests_rolled_back=1" in lines[0], lines
-    print(f"\n{fault}: {lines[0]}")
+    print(f"\n{fault}: {lines[0]} {got}")
+
+
+@pytest.mark.pairs("v0251")
+def test_a_hit_cut_back_to_a_saved_state_is_counted(library):
+    """The pool holds A's attention blocks but not its GDN states: mamba_pool_hit cuts B's hit to 0."""
+    library(True)
+    b, tap, _f, _pool = _load_fault_run(None, evict_gdn=True)
+    got = _figures(tap, b)
+    assert got == ZERO | {"hits_cut_back": 1.0}, got
 
 
 @pytest.mark.pairs("v0251")
