@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import functools
 
-from ..registry import PatchSpec, copies_in_source
+from ..registry import PatchSpec
+from ._checks import copies_in_source
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"

@@ -11,7 +11,8 @@ import pytest
 
 from ascend_layerwise_patch import registry as reg
 from ascend_layerwise_patch import versions
-from ascend_layerwise_patch.registry import PatchError, Registry, copies_in_source
+from ascend_layerwise_patch.patches._checks import copies_in_source
+from ascend_layerwise_patch.registry import PatchError, Registry
 
 from test_registry import COPIER, TARGET, pkg, spec, states  # noqa: F401  (pkg is a fixture)
 

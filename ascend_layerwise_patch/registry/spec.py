@@ -1,0 +1,121 @@
+"""What a patch is (:class:`PatchSpec`, declared as data) and what it became (:class:`PatchStatus`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+#: every replacement carries the name of its spec under this attribute (and ``__wrapped__``)
+MARKER = "__ascend_layerwise_patch__"
+LOGGER_NAME = "vllm.ascend_layerwise_patch"
+
+APPLIED = "applied"
+PENDING = "pending"
+SKIPPED = "skipped"
+FAILED = "failed"
+CONFLICT = "conflict"
+REVERTED = "reverted"
+
+Check = Callable[[Any], "str | None"]
+
+
+class PatchError(RuntimeError):
+    """Raised in strict mode when a patch that is in range cannot be applied."""
+
+
+class PatchSpec(NamedTuple):
+    """One patch, declared as data.
+
+    ``target`` and each alias are ``"package.module:Qualified.name"``. ``factory(original)``
+    returns what is installed in place of ``original``. ``precondition(original)`` and
+    ``fixed_upstream(original)`` return ``None`` when all is well, else the reason (a target that
+    drifted fails the whole group; a target that already carries the fix is skipped).
+    Version ranges are PEP 440 specifiers matched on the base release (see ``versions``);
+    ``None`` for a range means the patch does not depend on that package. ``copied_by`` names
+    modules whose import copies the target into an alias (vllm-ascend's late worker patches):
+    their import re-points the aliases, whatever the order. ``find_aliases()``, called once at
+    activation, returns more alias paths found in what is installed. Patches of different groups
+    may target the same attribute: the later one wraps the earlier one's replacement, its checks
+    see the original under both, and ``revert()`` takes them off newest first. ``counters()``, if
+    given, returns the patch's live counts in this process (shown in ``status()`` while it is
+    applied).
+    """
+
+    name: str
+    group: str
+    target: str
+    factory: Callable[[Any], Any]
+    why: str
+    vllm: str | None
+    vllm_ascend: str | None = None
+    aliases: tuple[str, ...] = ()
+    copied_by: tuple[str, ...] = ()
+    precondition: Check | None = None
+    fixed_upstream: Check | None = None
+    find_aliases: Callable[[], Iterable[str]] | None = None
+    counters: Callable[[], Mapping[str, int]] | None = None
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+    @property
+    def requires(self) -> dict[str, str | None]:
+        """The version requirement per distribution (``None``: does not depend on it)."""
+        return {"vllm": self.vllm, "vllm_ascend": self.vllm_ascend}
+
+
+class PatchStatus:
+    """One patch's state in this process (``state`` is one of the constants above)."""
+
+    __slots__ = ("name", "group", "target", "state", "reason", "versions", "ranges", "aliases", "places", "counters")
+
+    def __init__(
+        self, name, group, target, state, reason="", versions=None, ranges=None, aliases=None, places=None, counters=None
+    ):
+        self.name, self.group, self.target, self.state, self.reason = name, group, target, state, reason
+        self.versions: dict[str, str | None] = dict(versions or {})
+        self.ranges: dict[str, str | None] = dict(ranges or {})
+        #: the copies (``from x import f``) that now hold our replacement
+        self.aliases: list[str] = list(aliases or [])
+        #: every place this patch installs itself -- the target, then each copy -- with its own state
+        self.places: list[dict[str, str]] = [dict(p) for p in places or []]
+        #: live counts of an applied patch (``PatchSpec.counters``)
+        self.counters: dict[str, int] = dict(counters or {})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in self.__slots__}
+
+    def __repr__(self) -> str:
+        return f"PatchStatus({self.name!r}, {self.state!r}, {self.reason!r})"
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """``"package.module:Qualified.name"`` -> (module, qualified name); anything else is a ValueError."""
+    module, _, qual = path.partition(":")
+    if not module or not qual:
+        raise ValueError(f"patch path {path!r} must look like 'package.module:Qualified.name'")
+    return module, qual
+
+
+def raise_failures(statuses: Iterable[PatchStatus]) -> None:
+    """Strict mode: one PatchError naming every failed patch and why."""
+    failures = [st for st in statuses if st.state == FAILED]
+    if failures:
+        raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
+
+
+def logger():
+    """vLLM's logger once vLLM's logging is set up in this process, else the standard one."""
+    vllm_logger = sys.modules.get("vllm.logger")
+    init = getattr(vllm_logger, "init_logger", None)
+    if init is not None:
+        return init(LOGGER_NAME)
+    import logging
+
+    return logging.getLogger(LOGGER_NAME)
