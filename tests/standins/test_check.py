@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from support import PAIR, ROOT, _child_env, run_cli, run_python
+from support import PAIR, ROOT, _child_env, expected_states, run_cli, run_python
 
 ALL_PAIRS = ("v0251", "v0250", "v0240", "v0260")
 
@@ -94,6 +94,11 @@ def test_check_json_records_every_place_with_its_state():
     doc = json.loads(proc.stdout)
     patches = {p["name"]: p for p in doc["patches"]}
     states = {name: p["state"] for name, p in patches.items()}
+    # issue 24: every patch's state is the one scripts/expected_states.txt gives for this pair
+    es = expected_states()
+    got = {p["name"]: es.code_of(p["state"], p["reason"]) for p in doc["patches"]}
+    want = {name: codes[PAIR] for name, codes in es.load()[1].items()}
+    assert got == want, {name: (got.get(name), want.get(name)) for name in {*got, *want} if got.get(name) != want.get(name)}
     for p in doc["patches"]:
         assert p["places"][0] == {"place": p["target"], "role": "target", "state": p["state"], "reason": p["reason"]}
     if PAIR == "v0251":
