@@ -1484,6 +1484,27 @@ def slow_store(pool: PoolService, *, seed: int, factor=(1.5, 6.0), hang_p: float
     return pool.add_fault("delay", direction=byte_store.L2G, match=match, delay=delay)
 
 
+#: The soak scenarios of issue 23, at the issue's sizes: name -> (PoolInstance kwargs, soak kwargs,
+#: slow_store kwargs). tests/standins/test_send_shedding.py runs them smaller, scripts/soak_shedding.py
+#: at these sizes over several seeds.
+SOAK_SCENARIOS = {
+    # 60 requests of 20-300 prompt tokens, 16 running, a 240-block pool
+    "slow": (dict(num_blocks=240, max_num_seqs=16), dict(requests=60, prompt=(20, 300), output=(1, 4)), {}),
+    # preemption and aborts: 110 blocks, 40-260-token prompts, 16-80 output tokens, 12 running
+    "preempt": (
+        dict(num_blocks=110, max_num_seqs=12),
+        dict(requests=60, prompt=(40, 260), output=(16, 80), abort_p=0.05),
+        {},
+    ),
+    # TP=2, only rank 1's store slow (keys end @<rank> at TP = KV heads), rank 0's fast
+    "tp2": (
+        dict(num_blocks=240, max_num_seqs=16, tp=2, kv_heads=2),
+        dict(requests=60, prompt=(20, 300), output=(1, 4)),
+        dict(match=lambda key: key.endswith("@1")),
+    ),
+}
+
+
 def soak(
     inst: PoolInstance,
     *,
