@@ -17,7 +17,7 @@ mamba_local_hit         mamba_local_hit                            a local prefi
 mamba_pool_hit          mamba_pool_hit                             a pool hit resumed where no mamba state was saved; null blocks published as keys
 gdn_tp_keys             gdn_tp_keys                                at TP above the KV heads every rank read rank 0's GDN slice
 pool_key_layout         pool_key_layout                            pool keys named no layout (TP size, stage, format); evicted keys never saved again
-mamba_pool_resume_load  load_failures                              0.25.1rc1 loaded every intermediate mamba state of a hit into the null block
+mamba_pool_resume_load  mamba_pool_hit                             0.25.1rc1 loaded every intermediate mamba state of a hit into the null block
 load_failures           load_failures                              failed, raising or late loads were computed on, unreported
 load_failures_saves     load_failures                              the keys a failed step saved were made ready
 load_failures_policy    load_failures                              vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
@@ -53,5 +53,6 @@ SPECS = (
     *mamba_pool_hit.SPECS,
     *gdn_tp_keys.SPECS,
     *pool_key_layout.SPECS,
+    *mamba_pool_hit.RESUME_LOAD_SPECS,
     *load_failures.SPECS,
 )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 
 from ..registry import PatchSpec
+from ._targets import STATE
 from ._checks import copies_in_source
 
 VLLM = ">=0.25.0,<0.27"
@@ -44,7 +45,6 @@ COPIED_INTO = {
 }
 
 #: the transfer-group state module, read directly on the hot path (see ``guard``)
-STATE = "vllm.distributed.kv_transfer.kv_transfer_state"
 
 
 def _expects(params: list[str]):

@@ -43,7 +43,7 @@ import importlib
 
 from ..registry import PatchSpec
 from . import mamba_precopy
-from .connector_guards import STATE
+from ._targets import STATE
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"

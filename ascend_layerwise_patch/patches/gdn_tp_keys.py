@@ -52,6 +52,7 @@ import functools
 import importlib
 
 from ..registry import PatchSpec
+from ._targets import STORE
 from ._checks import with_risk
 from ._checks import expects as _expects
 from ._checks import source as _source
@@ -59,7 +60,6 @@ from ._checks import source as _source
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "gdn_tp_keys"
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 RISK = "GDN state keyed per KV head: at TP > KV heads, ranks load another rank's GDN slice on a pool hit"
 
 

@@ -77,9 +77,6 @@ Rollback (group ``load_failures_rollback``) Rewinding ``num_computed_tokens`` in
          with the block table each step saw: align mode may free the loaded state block before the
          failed step's output is handled). vllm-ascend's pool scheduler dropped (and then raised on) a
          request preempted outside ``schedule()`` and resumed by the next one: kept.
-Cost     (group ``mamba_pool_resume_load``, vllm-ascend 0.25.1rc1) a pool hit looked up every block
-         of the range and copied each intermediate mamba state into the null block: mamba_pool_hit's
-         0.26 member (null blocks neither looked up, leased nor loaded) applies here too.
 Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-ascend reports
          failed layerwise loads itself (detected per half: the scheduler spec skips itself when
          ``_update_requests_with_invalid_blocks`` no longer unpacks one group; the worker specs
@@ -94,7 +91,7 @@ import threading
 import time
 
 from ..registry import APPLIED, PENDING, PatchSpec, logger
-from . import mamba_pool_hit as _pool_hit
+from ._targets import STORE
 from ._checks import with_risk
 from ._checks import expects as _expects
 from ._checks import source as _source
@@ -105,8 +102,6 @@ GROUP = "load_failures"
 POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
 ROLLBACK_GROUP = "load_failures_rollback"  # recompute = evict + preempt (own group: own switch)
 SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
-RESUME_LOAD_GROUP = "mamba_pool_resume_load"  # 0.25.1rc1: a pool hit loads only the state it resumes from
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
 
@@ -809,23 +804,6 @@ _INVALID = ["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "ev
 _COPY = ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"]
 
 SPECS = (
-    PatchSpec(
-        name="mamba_pool_resume_load",
-        group=RESUME_LOAD_GROUP,
-        target=f"{STORE}.pool_worker:KVPoolWorker._prepare_load_gvas",
-        # mamba_pool_hit's 0.26 member, on 0.25.1rc1: the null mamba blocks of a hit are neither looked
-        # up nor leased nor loaded (0.25.1rc1 looks up every block of the hit range, and every
-        # intermediate chunk-end state that exists is copied into the null block)
-        factory=lambda original: _pool_hit.null_loads_present(original),
-        why="a layerwise pool hit loads only the mamba state it resumes from, not every chunk-end state into the null block",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(
-            _pool_hit._loads_precondition,
-            "every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
-        ),
-        fixed_upstream=_pool_hit._loads_fixed,
-    ),
     _spec(
         "load_fail_copy",
         f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._batch_copy_with_limits",

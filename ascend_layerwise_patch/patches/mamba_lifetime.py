@@ -61,6 +61,7 @@ import os
 import threading
 
 from ..registry import PatchSpec
+from ._targets import STORE
 from ._checks import expects as _expects
 from ._checks import source as _source
 from ._checks import with_risk
@@ -70,7 +71,6 @@ from . import send_shedding as _shedding
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "mamba_lifetime"
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 ENV_HOLD_ATTENTION = "ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION"
 
 RISK = (

@@ -40,7 +40,7 @@ import importlib
 
 from ..registry import PatchSpec
 from ._checks import param_names as _params
-from .connector_guards import STATE
+from ._targets import STATE
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"

@@ -62,12 +62,12 @@ import os
 from types import SimpleNamespace
 
 from ..registry import PatchSpec
+from ._targets import STORE
 from ._checks import source, with_risk
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "pool_key_layout"
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 FORMAT = 1
 ENV_MODEL_ID = "ASCEND_LAYERWISE_PATCH_POOL_MODEL_ID"
 ENV_GVA_MAX = "ASCEND_LAYERWISE_PATCH_GVA_CACHE_MAX"

@@ -65,13 +65,13 @@ import time
 import weakref
 
 from ..registry import MARKER, PatchSpec, logger
+from ._targets import STORE
 from ._checks import source as _source
 from ._checks import with_risk
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "mamba_lifetime"  # same group as mamba_lifetime.py: one send path, all or nothing
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 
 INCOMPLETE = -1  #: the write result a key with an unwritten slot is finished with (non-zero: failed)
 STUCK_AFTER_S = 10.0  #: save_kv_layer's own wait for the step's last layer
