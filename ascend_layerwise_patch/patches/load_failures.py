@@ -610,21 +610,18 @@ def make_build_meta(original):
     return build_connector_meta
 
 
-def _group_in_force() -> bool:
-    """``load_failures`` is applied in this process, or waiting for its modules (not skipped, not
-    failed). The platform's config check runs long before the scheduler and pool modules are
-    imported, which is why the refusal below is lifted by its own group, coupled through this."""
-    from .. import REGISTRY
-
-    states = {st.state for st in REGISTRY.status() if st.group == GROUP}
-    return bool(states) and states <= {APPLIED, PENDING}
-
-
-def make_policy_check(original):
+def make_policy_check(original, context):
     """vllm-ascend's platform refuses ``kv_load_failure_policy=recompute`` for hybrid models (the
-    scheduler could not roll them back); with ``load_failures`` in force it can. Installed as a
-    plain function: vllm-ascend calls it through the class (``cls._validate_...``)."""
+    scheduler could not roll them back); with ``load_failures`` in force it can: applied in this
+    process, or waiting for its modules (not skipped, not failed), read from the registry's
+    ``context``. The platform's config check runs long before the scheduler and pool modules are
+    imported, which is why the refusal is lifted by its own group, coupled through this. Installed
+    as a plain function: vllm-ascend calls it through the class (``cls._validate_...``)."""
     check = original.__func__
+
+    def _group_in_force() -> bool:
+        states = context.group_states(GROUP)
+        return bool(states) and states <= {APPLIED, PENDING}
 
     @functools.wraps(check)
     def _validate_kv_load_failure_policy(vllm_config):
@@ -784,7 +781,7 @@ _WHY = (
 
 
 def _spec(
-    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK
+    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK, context=False
 ) -> PatchSpec:
     return PatchSpec(
         name=name,
@@ -797,6 +794,7 @@ def _spec(
         vllm_ascend=VLLM_ASCEND,
         precondition=with_risk(precondition, risk),
         fixed_upstream=fixed,
+        context=context,
     )
 
 
@@ -844,6 +842,7 @@ SPECS = (
         _policy_ok,
         fixed=_upstream_allows_hybrid,
         group=POLICY_GROUP,
+        context=True,
     ),
     _spec(
         "load_fail_rollback",

@@ -28,6 +28,7 @@ from .spec import (
     REVERTED,
     SKIPPED,
     Check,
+    Context,
     PatchError,
     PatchSpec,
     PatchStatus,
@@ -37,6 +38,6 @@ from .switches import ENV_ENABLE, ENV_SKIP, ENV_STRICT, Switches
 
 __all__ = [
     "APPLIED", "CONFLICT", "FAILED", "PENDING", "REVERTED", "SKIPPED", "LOGGER_NAME", "MARKER",
-    "ENV_ENABLE", "ENV_SKIP", "ENV_STRICT", "Check", "PatchError", "PatchSpec", "PatchStatus",
+    "ENV_ENABLE", "ENV_SKIP", "ENV_STRICT", "Check", "Context", "PatchError", "PatchSpec", "PatchStatus",
     "Registry", "Switches", "logger",
 ]

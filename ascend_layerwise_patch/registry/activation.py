@@ -27,6 +27,7 @@ from .summary import Summary
 from .spec import (
     APPLIED,
     CONFLICT,
+    Context,
     PENDING,
     REVERTED,
     SKIPPED,
@@ -71,6 +72,8 @@ class Registry(GroupApplier, Summary):
         self._copy_states: dict[tuple[str, str], tuple[str, str]] = {}
         #: configuration mistakes found at activation (e.g. an unknown name in ASCEND_LAYERWISE_PATCH_SKIP)
         self.config_errors: list[str] = []
+        #: what factories of ``PatchSpec.context`` specs read: the live states of a group
+        self.context = Context(lambda group: frozenset(st.state for st in self._status.values() if st.group == group))
         self._summarized: tuple | None = None  # the states the last summary line showed
         self._summary_waits = False
 

@@ -97,7 +97,8 @@ class GroupApplier:
         done: list[PatchSpec] = []
         try:
             for spec, parent, attribute, current in plan:
-                replacement = install.tag(spec.factory(current), spec.name, current)
+                made = spec.factory(current, self.context) if spec.context else spec.factory(current)
+                replacement = install.tag(made, spec.name, current)
                 self._places.install(spec.name, parent, attribute, current, replacement)
                 done.append(spec)
         except Exception as exc:  # noqa: BLE001 - roll back: nothing half-applied

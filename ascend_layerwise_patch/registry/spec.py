@@ -55,6 +55,9 @@ class PatchSpec(NamedTuple):
     fixed_upstream: Check | None = None
     find_aliases: Callable[[], Iterable[str]] | None = None
     counters: Callable[[], Mapping[str, int]] | None = None
+    #: ``factory(original, context)`` instead: a :class:`Context`, read-only, for a patch whose
+    #: behaviour depends on another group's state in this process (it never imports the registry)
+    context: bool = False
 
     @property
     def module(self) -> str:
@@ -68,6 +71,19 @@ class PatchSpec(NamedTuple):
     def requires(self) -> dict[str, str | None]:
         """The version requirement per distribution (``None``: does not depend on it)."""
         return {"vllm": self.vllm, "vllm_ascend": self.vllm_ascend}
+
+
+class Context:
+    """What a factory may read of the registry (``PatchSpec.context``): live, read-only."""
+
+    __slots__ = ("_states",)
+
+    def __init__(self, states: Callable[[str], frozenset]):
+        self._states = states
+
+    def group_states(self, group: str) -> frozenset:
+        """The states of ``group``'s members in this process now (empty for an unknown group)."""
+        return self._states(group)
 
 
 class PatchStatus:

@@ -428,3 +428,26 @@ def test_versions_compare_on_base_release(raw, inside):
 def test_versions_absent_and_invalid():
     assert versions.in_range(versions.Installed("vllm", None), ">=0.25")[1] == "vllm is not installed"
     assert "not a PEP 440 version" in versions.in_range(versions.Installed("vllm", "banana"), ">=0.25")[1]
+
+
+def test_a_context_factory_reads_another_groups_live_state(pkg):
+    """``PatchSpec.context``: the factory gets a read-only view of group states (no registry import)."""
+    _, write = pkg
+    first, second = write("t1", TARGET), write("t2", TARGET)
+
+    def gated(original, context):
+        def replacement(x):
+            return original(x) + (100 if context.group_states("other") <= {reg.APPLIED, reg.PENDING} else 0)
+
+        return replacement
+
+    r = Registry([spec(first, name="p", group="g", factory=gated, context=True), spec(second, name="q", group="other")])
+    r.activate({})
+    mod = importlib.import_module(first)
+    assert states(r)["q"][0] == reg.PENDING and mod.helper(1) == 102  # "other" is waiting for its module
+    importlib.import_module(second)
+    assert mod.helper(1) == 102  # applied
+    r.revert()
+    r.activate({"ASCEND_LAYERWISE_PATCH_SKIP": "other"})
+    assert states(r)["q"][0] == reg.SKIPPED and mod.helper(1) == 2  # skipped: the view says so at once
+    assert r.context.group_states("nothing") == frozenset()
