@@ -157,16 +157,15 @@ def _refreshes_itself(worker_cls) -> bool:
     names = set(alloc.__code__.co_names)
     if "batch_is_exist" in names:
         return True
-    return any(
-        "batch_is_exist" in getattr(getattr(worker_cls, n, None), "__code__", SimpleNamespace(co_names=())).co_names
-        for n in names
-    )
+    callees = (getattr(worker_cls, n, None) for n in names)  # the worker's own methods it calls
+    return any("batch_is_exist" in getattr(getattr(f, "__code__", None), "co_names", ()) for f in callees)
 
 
 def make_process_layer_data(original):
     worker_cls = original.__globals__["KVPoolWorker"]
     helpers = (original.__globals__["get_block_hashes"], original.__globals__["block_hash_to_str"])
     refresh = not _refreshes_itself(worker_cls)
+    limit = gva_cache_max()  # read once, when the patch is installed
 
     @functools.wraps(original)
     def process_layer_data(self, requests):
@@ -179,7 +178,7 @@ def make_process_layer_data(original):
                         self._allocated_gvas.pop(key, None)
         original(self, requests)
         cache = self._allocated_gvas
-        excess = len(cache) - gva_cache_max()
+        excess = len(cache) - limit
         if excess > 0:
             for key in [k for _, k in zip(range(excess), iter(cache))]:
                 cache.pop(key, None)
