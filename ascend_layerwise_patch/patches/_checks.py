@@ -1,4 +1,4 @@
-"""Helpers shared by the patch modules' target checks."""
+"""Helpers shared by the patch modules: declaring a spec against vLLM / vllm-ascend, target checks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import importlib.util
 import os
 import re
 from collections.abc import Iterable
+
+from ..registry import PatchSpec as _Spec
+
+
+def PatchSpec(*, vllm: str | None, vllm_ascend: str | None = None, **fields) -> _Spec:  # noqa: N802 - reads as the type
+    """A :class:`~ascend_layerwise_patch.registry.PatchSpec` whose requirements are vLLM's and
+    vllm-ascend's ranges (the host's keys ``vllm`` / ``vllm_ascend``)."""
+    return _Spec(requires={"vllm": vllm, "vllm_ascend": vllm_ascend}, **fields)
 
 
 def with_risk(check, risk: str):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._targets import STATE
 from ._checks import copies_in_source
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from . import mamba_precopy
 from ._targets import STATE
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._targets import STORE
 from ._checks import with_risk
 from ._checks import expects as _expects

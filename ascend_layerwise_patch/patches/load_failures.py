@@ -90,9 +90,10 @@ import importlib
 import threading
 import time
 
-from ..registry import APPLIED, PENDING, PatchSpec, logger
+from ..host import logger
+from ..registry import APPLIED, PENDING
 from ._targets import STORE
-from ._checks import with_risk
+from ._checks import PatchSpec, with_risk
 from ._checks import expects as _expects
 from ._checks import source as _source
 

@@ -60,7 +60,7 @@ import importlib
 import os
 import threading
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._targets import STORE
 from ._checks import expects as _expects
 from ._checks import source as _source

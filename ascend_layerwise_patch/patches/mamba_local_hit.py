@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import weakref
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._checks import param_names as _params
 
 VLLM = ">=0.25.0,<0.27"

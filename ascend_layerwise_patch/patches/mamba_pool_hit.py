@@ -51,9 +51,8 @@ import functools
 import importlib
 import math
 
-from ..registry import PatchSpec
 from ._targets import STORE as POOL
-from ._checks import expects, source, with_risk
+from ._checks import PatchSpec, expects, source, with_risk
 from ._checks import param_names as _params
 
 VLLM = ">=0.25.0,<0.27"

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._checks import param_names as _params
 from ._targets import STATE
 

@@ -61,7 +61,7 @@ import inspect
 import os
 from types import SimpleNamespace
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._targets import STORE
 from ._checks import source, with_risk
 

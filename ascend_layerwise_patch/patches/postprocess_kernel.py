@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 
 from ..kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"

@@ -64,7 +64,9 @@ import threading
 import time
 import weakref
 
-from ..registry import MARKER, PatchSpec, logger
+from ..host import logger
+from ..registry import MARKER
+from ._checks import PatchSpec
 from ._targets import STORE
 from ._checks import source as _source
 from ._checks import with_risk

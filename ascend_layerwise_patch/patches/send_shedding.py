@@ -59,7 +59,8 @@ import re
 import threading
 import time
 
-from ..registry import PatchSpec, logger
+from ..host import logger
+from ._checks import PatchSpec
 from ._targets import STORE
 from ._checks import source as _source
 from ._checks import with_risk

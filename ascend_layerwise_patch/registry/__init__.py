@@ -22,22 +22,22 @@ from .spec import (
     APPLIED,
     CONFLICT,
     FAILED,
-    LOGGER_NAME,
     MARKER,
     PENDING,
     REVERTED,
     SKIPPED,
     Check,
+    PLAIN,
     Context,
+    Host,
     PatchError,
     PatchSpec,
     PatchStatus,
-    logger,
 )
 from .switches import ENV_ENABLE, ENV_SKIP, ENV_STRICT, Switches
 
 __all__ = [
-    "APPLIED", "CONFLICT", "FAILED", "PENDING", "REVERTED", "SKIPPED", "LOGGER_NAME", "MARKER",
-    "ENV_ENABLE", "ENV_SKIP", "ENV_STRICT", "Check", "Context", "PatchError", "PatchSpec", "PatchStatus",
-    "Registry", "Switches", "logger",
+    "APPLIED", "CONFLICT", "FAILED", "PENDING", "REVERTED", "SKIPPED", "MARKER",
+    "ENV_ENABLE", "ENV_SKIP", "ENV_STRICT", "Check", "Context", "Host", "PLAIN", "PatchError", "PatchSpec", "PatchStatus",
+    "Registry", "Switches",
 ]

@@ -10,7 +10,7 @@ Life of a group in one process::
                    replacements, or none                          -> APPLIED / FAILED
     any hooked module imported later
                 -- re-point every known alias (``from x import f`` copies, class attributes
-                   copied by vllm-ascend's own late patches) that still holds an original
+                   copied by the patched package's own late patches) that still holds an original
     revert()    -- put back exactly what was there                 -> REVERTED / CONFLICT
 """
 
@@ -19,15 +19,18 @@ from __future__ import annotations
 import threading
 import types
 from collections.abc import Iterable, Mapping
+from typing import Any
 
-from .. import versions as _versions
+from ..versions import in_range
 from . import install
 from .apply import GroupApplier
 from .summary import Summary
 from .spec import (
     APPLIED,
     CONFLICT,
+    PLAIN,
     Context,
+    Host,
     PENDING,
     REVERTED,
     SKIPPED,
@@ -43,7 +46,8 @@ from .switches import ENV_ENABLE, ENV_SKIP, Switches
 class Registry(GroupApplier, Summary):
     """Applies a fixed list of :class:`PatchSpec` s. Thread-safe; idempotent by identity."""
 
-    def __init__(self, specs: Iterable[PatchSpec]):
+    def __init__(self, specs: Iterable[PatchSpec], *, host: Host = PLAIN):
+        self.host = host
         self.specs: tuple[PatchSpec, ...] = tuple(specs)
         names = [s.name for s in self.specs]
         if len(set(names)) != len(names):
@@ -57,11 +61,11 @@ class Registry(GroupApplier, Summary):
         self._switches = Switches.read({})
         self._hooked: set[str] = set()
         self._applying: set[str] = set()
-        self._versions: dict[str, _versions.Installed] = {}
+        self._versions: dict[str, Any] = {}
         self._unneeded: dict[str, str] = {}  # member out of its own version range -> why (the rest applies)
         self._status: dict[str, PatchStatus] = {
             s.name: PatchStatus(
-                s.name, s.group, s.target, PENDING, "not activated yet (activation runs when vLLM is imported)", ranges=s.requires
+                s.name, s.group, s.target, PENDING, "not activated yet (activation runs when the patched packages are imported)", ranges=dict(s.requires)
             )
             for s in self.specs
         }
@@ -116,7 +120,7 @@ class Registry(GroupApplier, Summary):
                 return self.status()
             self._active = True
             self._switches = Switches.read(environ)
-            self._versions = _versions.detect()
+            self._versions = dict(self.host.detect())
             shown = {key: inst.raw for key, inst in self._versions.items()}
             for st in self._status.values():
                 st.versions = dict(shown)
@@ -133,7 +137,7 @@ class Registry(GroupApplier, Summary):
                 self._status[name].state, self._status[name].reason = SKIPPED, why
             self.config_errors = self._switches.errors([s.name for s in self.specs], self.groups())
             for error in self.config_errors:
-                self._log_when_vllm_logs("error", "ascend_layerwise_patch: %s", error)
+                self._log_when_host_logs("error", "ascend_layerwise_patch: %s", error)
             live: list[str] = []
             for group, specs in self.groups().items():
                 reason = self._skip_reason(group, specs)
@@ -202,7 +206,9 @@ class Registry(GroupApplier, Summary):
     def _out_of_range(self, spec: PatchSpec) -> str | None:
         for key, wanted in spec.requires.items():
             if wanted is not None:
-                ok, why = _versions.in_range(self._versions[key], wanted)
+                if key not in self._versions:
+                    return f"version out of range: needs {key} {wanted}, which the host does not detect"
+                ok, why = in_range(self._versions[key], wanted)
                 if not ok:
                     return f"version out of range: {why}"
         return None

@@ -1,7 +1,7 @@
 """Applying one group (all of its specs or none) and keeping every copy of a target pointed at ours.
 
 Mixed into :class:`~.activation.Registry`; it uses the registry's book-keeping (``_status``,
-``_places``, ``_alias_paths``, ``_copy_states``, ``_late``) and knows no patch.
+``_places``, ``_alias_paths``, ``_copy_states``, ``_late``, ``host``) and knows no patch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import types
 from typing import Any
 
 from . import install
-from .spec import APPLIED, FAILED, MARKER, PENDING, SKIPPED, PatchSpec, PatchStatus, logger, split_path
+from .spec import APPLIED, FAILED, MARKER, PENDING, SKIPPED, PatchSpec, PatchStatus, split_path
 
 
 class GroupApplier:
@@ -45,7 +45,7 @@ class GroupApplier:
             reason = f"{spec.module} does not import with the installed versions ({exc}); nothing to patch"
             for member in specs:
                 self._set(member, SKIPPED, reason if member is spec else f"group {group}: {reason}")
-            logger().info("ascend_layerwise_patch: group %s skipped: %s", group, reason)
+            self.host.logger().info("ascend_layerwise_patch: group %s skipped: %s", group, reason)
             return []
         except Exception as exc:  # noqa: BLE001
             return self._fail(group, specs, spec, f"importing {spec.module} raised {exc!r}")
@@ -69,7 +69,7 @@ class GroupApplier:
                 continue
             try:
                 # Another group's patch may already sit on this attribute: we wrap it, but judge
-                # the target by vllm-ascend's / vLLM's own function under it.
+                # the target by the patched package's own function under it.
                 base = install.innermost(current)
                 upstream = spec.fixed_upstream(base) if spec.fixed_upstream else None
                 problem = spec.precondition(base) if spec.precondition else None
@@ -113,13 +113,13 @@ class GroupApplier:
             self._set(spec, SKIPPED, f"already fixed upstream: {why}")
         applied = [spec.name for spec, *_ in plan]
         if applied:
-            logger().info("ascend_layerwise_patch: applied %s", ", ".join(applied))
+            self.host.logger().info("ascend_layerwise_patch: applied %s", ", ".join(applied))
         return []
 
     def _fail(self, group: str, specs: list[PatchSpec], culprit: PatchSpec, reason: str) -> list[PatchStatus]:
         for spec in specs:
             self._set(spec, FAILED, reason if spec is culprit else f"group {group} left unpatched: {culprit.name} failed")
-        logger().warning("ascend_layerwise_patch: group %s left unpatched: %s: %s", group, culprit.name, reason)
+        self.host.logger().warning("ascend_layerwise_patch: group %s left unpatched: %s: %s", group, culprit.name, reason)
         return [self._status[s.name] for s in specs]
 
     # ------------------------------------------------------------------ copies

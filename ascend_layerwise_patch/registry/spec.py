@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 #: every replacement carries the name of its spec under this attribute (and ``__wrapped__``)
 MARKER = "__ascend_layerwise_patch__"
-LOGGER_NAME = "vllm.ascend_layerwise_patch"
 
 APPLIED = "applied"
 PENDING = "pending"
@@ -31,9 +29,9 @@ class PatchSpec(NamedTuple):
     returns what is installed in place of ``original``. ``precondition(original)`` and
     ``fixed_upstream(original)`` return ``None`` when all is well, else the reason (a target that
     drifted fails the whole group; a target that already carries the fix is skipped).
-    Version ranges are PEP 440 specifiers matched on the base release (see ``versions``);
-    ``None`` for a range means the patch does not depend on that package. ``copied_by`` names
-    modules whose import copies the target into an alias (vllm-ascend's late worker patches):
+    ``requires`` maps each distribution (the host's key) to a PEP 440 range matched on the base
+    release (see ``versions``). ``copied_by`` names
+    modules whose import copies the target into an alias (a package's own late patches):
     their import re-points the aliases, whatever the order. ``find_aliases()``, called once at
     activation, returns more alias paths found in what is installed. Patches of different groups
     may target the same attribute: the later one wraps the earlier one's replacement, its checks
@@ -47,8 +45,9 @@ class PatchSpec(NamedTuple):
     target: str
     factory: Callable[[Any], Any]
     why: str
-    vllm: str | None
-    vllm_ascend: str | None = None
+    #: the version each distribution must have, by the host's key (PEP 440 specifiers on the base
+    #: release); ``None`` for a key: does not depend on that one
+    requires: Mapping[str, str | None] = {}
     aliases: tuple[str, ...] = ()
     copied_by: tuple[str, ...] = ()
     precondition: Check | None = None
@@ -66,11 +65,6 @@ class PatchSpec(NamedTuple):
     @property
     def qualname(self) -> str:
         return self.target.partition(":")[2]
-
-    @property
-    def requires(self) -> dict[str, str | None]:
-        """The version requirement per distribution (``None``: does not depend on it)."""
-        return {"vllm": self.vllm, "vllm_ascend": self.vllm_ascend}
 
 
 class Context:
@@ -126,12 +120,25 @@ def raise_failures(statuses: Iterable[PatchStatus]) -> None:
         raise PatchError("; ".join(f"{st.name}: {st.reason}" for st in failures))
 
 
-def logger():
-    """vLLM's logger once vLLM's logging is set up in this process, else the standard one."""
-    vllm_logger = sys.modules.get("vllm.logger")
-    init = getattr(vllm_logger, "init_logger", None)
-    if init is not None:
-        return init(LOGGER_NAME)
+class Host(NamedTuple):
+    """What the registry needs of the process it patches, given by the package that uses it.
+
+    ``detect()``: the installed version of each distribution a spec's ``requires`` names, by key
+    (``versions.Installed``); ``logger()``: where to log; ``logs_later(installed)``: whether the
+    host's logging is not set up yet, in which case lines wait for ``logging_module`` to be
+    imported (so they come out in the host's format)."""
+
+    detect: Callable[[], Mapping[str, Any]]
+    logger: Callable[[], Any]
+    logging_module: str | None = None
+    logs_later: Callable[[Mapping[str, Any]], bool] = lambda _installed: False
+
+
+def _plain_logger():
     import logging
 
-    return logging.getLogger(LOGGER_NAME)
+    return logging.getLogger("ascend_layerwise_patch")
+
+
+#: a host that detects nothing and logs through the standard logging module
+PLAIN = Host(detect=dict, logger=_plain_logger)

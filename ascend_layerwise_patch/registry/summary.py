@@ -1,6 +1,6 @@
 """The summary line: once per process when every patch's state has settled, again on a change.
 
-Mixed into :class:`~.activation.Registry` (uses ``_status``, ``_versions``, ``_lock``).
+Mixed into :class:`~.activation.Registry` (uses ``_status``, ``_versions``, ``_lock``, ``host``).
 """
 
 from __future__ import annotations
@@ -9,20 +9,19 @@ import sys
 from typing import Any
 
 from . import install
-from .spec import APPLIED, PENDING, PatchSpec, logger
+from .spec import APPLIED, PENDING, PatchSpec
 
 
 class Summary:
-    def _log_when_vllm_logs(self, level: str, msg: str, *args: Any) -> None:
-        """Log through vLLM's logger: now if vLLM's logging is set up, else once it is."""
-        if self._vllm_logger_pending():
-            install.wrapt().when_imported("vllm.logger")(lambda _module: getattr(logger(), level)(msg, *args))
+    def _log_when_host_logs(self, level: str, msg: str, *args: Any) -> None:
+        """Log through the host's logger: now if its logging is set up, else once it is."""
+        if self._host_logs_later():
+            install.wrapt().when_imported(self.host.logging_module)(lambda _module: getattr(self.host.logger(), level)(msg, *args))
         else:
-            getattr(logger(), level)(msg, *args)
+            getattr(self.host.logger(), level)(msg, *args)
 
-    def _vllm_logger_pending(self) -> bool:
-        vllm = self._versions.get("vllm")
-        return vllm is not None and vllm.raw is not None and "vllm.logger" not in sys.modules
+    def _host_logs_later(self) -> bool:
+        return self.host.logging_module is not None and self.host.logs_later(self._versions)
 
     def _maybe_summarize(self, _module: Any = None) -> None:
         """The summary line, once the states settle (no patch pending), and again only when a
@@ -33,10 +32,10 @@ class Summary:
             shown = tuple((st.name, st.state) for st in self._status.values())
             if shown == self._summarized:
                 return
-            if self._vllm_logger_pending():
+            if self._host_logs_later():
                 if not self._summary_waits:
                     self._summary_waits = True
-                    install.wrapt().when_imported("vllm.logger")(self._maybe_summarize)
+                    install.wrapt().when_imported(self.host.logging_module)(self._maybe_summarize)
                 return
             self._summarized = shown
             self.log_summary()
@@ -54,4 +53,4 @@ class Summary:
         with self._lock:
             parts = [st.name if st.state == APPLIED else f"{st.name}={st.state}({st.reason})" for st in self._status.values()]
             vers = ", ".join(f"{k} {v}" for k, v in self._versions.items())
-        logger().info("ascend_layerwise_patch [%s]: %s", vers, "; ".join(parts))
+        self.host.logger().info("ascend_layerwise_patch [%s]: %s", vers, "; ".join(parts))

@@ -27,6 +27,6 @@ SPECS = (*connector_guards.SPECS, *gdn_layerwise.SPECS, *mamba_lifetime.SPECS, *
 )
 def test_ranges(vllm, ascend, admitted):
     for spec in SPECS:
-        ok_vllm, _ = versions.in_range(versions.Installed("vllm", vllm), spec.vllm)
-        ok_ascend, _ = versions.in_range(versions.Installed("vllm-ascend", ascend), spec.vllm_ascend)
-        assert (ok_vllm and ok_ascend) is admitted, (spec.name, spec.vllm, spec.vllm_ascend)
+        ok_vllm, _ = versions.in_range(versions.Installed("vllm", vllm), spec.requires["vllm"])
+        ok_ascend, _ = versions.in_range(versions.Installed("vllm-ascend", ascend), spec.requires["vllm_ascend"])
+        assert (ok_vllm and ok_ascend) is admitted, (spec.name, spec.requires)

@@ -16,9 +16,15 @@ import pytest
 
 from ascend_layerwise_patch import registry as reg
 from ascend_layerwise_patch import versions
-from ascend_layerwise_patch.registry import PatchError, PatchSpec, Registry
+from ascend_layerwise_patch.registry import PatchError, PatchSpec, Registry as _Registry
+from ascend_layerwise_patch.host import HOST
 
 _counter = itertools.count()
+
+
+def Registry(specs, **kw):
+    """The registry as the package builds it (versions and logging from the vLLM host)."""
+    return _Registry(specs, **{"host": HOST, **kw})
 
 
 @pytest.fixture
@@ -73,9 +79,9 @@ def wrap_plus_one(original):
     return replacement
 
 
-def spec(module: str, name="p", group="g", qual="helper", factory=wrap_plus_one, **kw) -> PatchSpec:
-    kw.setdefault("vllm", None)
-    return PatchSpec(name=name, group=group, target=f"{module}:{qual}", factory=factory, why="test", **kw)
+def spec(module: str, name="p", group="g", qual="helper", factory=wrap_plus_one, vllm=None, **kw) -> PatchSpec:
+    requires = {"vllm": vllm, "vllm_ascend": None}
+    return PatchSpec(name=name, group=group, target=f"{module}:{qual}", factory=factory, why="test", requires=requires, **kw)
 
 
 def states(r: Registry) -> dict[str, tuple[str, str]]:
