@@ -7,6 +7,12 @@ nothing heavy at import time (factories import their targets' neighbours lazily)
 whole or not at all; ``SPECS`` below is the order in which groups (and patches stacked on one
 target) are applied. tests/unit/test_index.py holds this list to ``SPECS``.
 
+A new release pair: a line in scripts/pairs.txt (scripts/env.sh installs it); ``check --cpu --json``
+on it, read each patch's reason (a detector that answers wrongly there is fixed first), then a column
+in scripts/expected_states.txt and ``python scripts/expected_states.py --readme``; a row in the README's
+version table; ``@pytest.mark.pairs`` on the pool tests whose defect the pair still has. A new patch: a
+spec in its group's module, a row in scripts/expected_states.txt, a line here if it is a new group.
+
 group                   modules                                    what it fixes
 connector_guards        connector_guards                           connector helpers called in profile / dummy runs advance the pool's layer counter
 gdn_layerwise           gdn_layerwise, mamba_precopy               GDN layers never waited for their layerwise load; align pre-copy read blocks before the load wrote them
