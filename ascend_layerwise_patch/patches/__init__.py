@@ -238,11 +238,23 @@ imports nothing heavy at import time (factories import their targets' neighbours
             load_failures' modules can be resolved, so it cannot share that group.
    How:     lifts the refusal while load_failures is applied or pending in the process.
    Remove:  with load_failures, or when vllm-ascend drops the refusal (detected: skips itself).
+
+** async_free_fence ** (``async_fences.py``, group ``async_fences``)
+   Target:  vllm.v1.core.sched.scheduler.Scheduler.__init__.
+   Why:     with async scheduling a freed block may still be written by the in-flight step; vLLM
+            defers such frees (defer_block_free) for kv_consumer roles only, but AscendStore loads
+            pool hits as kv_producer too and the current layer's load has no start gate: a pool-hit
+            load can target the block and the step's write lands on the loaded bytes.
+   How:     after vLLM's __init__, defer_block_free = True for a layerwise AscendStore connector of
+            any role when max_concurrent_batches > 1 (vLLM's own fence).
+   Upstream: not fixed in vLLM 0.25.1 nor 0.26.0 (consumer-only check).
+   Remove:  when vLLM's condition covers kv_producer (detected: the patch then skips itself).
 """
 
 from __future__ import annotations
 
 from . import (
+    async_fences,
     connector_guards,
     gdn_layerwise,
     gdn_tp_keys,
@@ -270,4 +282,5 @@ SPECS = (
     *gdn_tp_keys.SPECS,
     *pool_key_layout.SPECS,
     *load_failures.SPECS,
+    *async_fences.SPECS,
 )

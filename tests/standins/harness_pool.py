@@ -1561,3 +1561,73 @@ def soak(
         f["last_write_s"] = max(writes) - start if writes else None
     f["trace"] = trace
     return f
+
+
+# ==================================================================================================
+# Async scheduling (issue 23): a step still running on the device when the scheduler moves on
+
+
+class InFlightWrites:
+    """Stands in for a device that is still running a step: the cache writes of the batch executed
+    after :meth:`hold_next` (every rank) are held back. They land at the next executed batch's first
+    layer compute (stream order: that step's compute runs after them, its ungated layer loads need
+    not), or when the held batch's output is processed (``update_from_output``: the device finished
+    it), whichever comes first. ``landed`` lists ``(layer name, block id)`` of each write as it lands."""
+
+    def __init__(self, inst: PoolInstance):
+        self.inst, self.armed, self.capturing, self.batch = inst, False, False, None
+        self.pending: list[tuple] = []
+        self.landed: list[tuple[str, int]] = []
+        self._layer = None
+        execute, update = inst._execute, inst.scheduler.update_from_output
+
+        def _execute(so):
+            if not self.armed:
+                return execute(so)
+            self.armed, self.capturing, self.batch = False, True, so
+            try:
+                return execute(so)
+            finally:
+                self.capturing = False
+
+        def update_from_output(so, output):
+            if so is self.batch:
+                self.land()
+            return update(so, output)
+
+        inst._execute, inst.scheduler.update_from_output = _execute, update_from_output
+        for rank in inst.ranks:
+            self._wrap(rank)
+
+    def _wrap(self, rank: _Rank) -> None:
+        gdn, attention = rank.gdn_compute, rank.attention
+
+        def write(tensors, block_id, value):
+            if self.capturing:
+                self.pending.append((self._layer, tensors, block_id, value))
+            else:
+                _Rank._write_block(tensors, block_id, value)
+
+        def gdn_compute(name):
+            self._enter(name)
+            return gdn(name)
+
+        def attn(query, layer_name):
+            self._enter(layer_name)
+            return attention(query, layer_name)
+
+        rank._write_block, rank.gdn_compute, rank.attention = write, gdn_compute, attn
+
+    def _enter(self, layer: str) -> None:
+        self._layer = layer
+        if not self.capturing and self.pending:
+            self.land()
+
+    def hold_next(self) -> None:
+        self.armed = True
+
+    def land(self) -> None:
+        for layer, tensors, block_id, value in self.pending:
+            _Rank._write_block(tensors, block_id, value)
+            self.landed.append((layer, block_id))
+        self.pending.clear()
