@@ -1631,3 +1631,58 @@ class InFlightWrites:
             _Rank._write_block(tensors, block_id, value)
             self.landed.append((layer, block_id))
         self.pending.clear()
+
+
+class DelayedUploads:
+    """Stands in for the device's non-blocking upload of a rank's pinned pre-copy rows
+    (``CpuGpuBuffer.copy_to_gpu`` on ``src_ptrs`` / ``dst_ptrs`` / ``sizes``): the harness copies at
+    once (its forward needs the rows), but the read the device would do is deferred until an event
+    recorded after it is synchronized (:meth:`event` stands in for ``torch.npu.Event``), or -- the
+    device running a step behind -- until the rank uploads the same buffer again (its next step).
+    ``wrong_rows`` counts the rows such a late read finds rewritten (the device would copy them)."""
+
+    def __init__(self, inst: PoolInstance, rank: int = 0):
+        self.pending: list[tuple] = []  # (upload number, buffer, rows as uploaded)
+        self.uploads = self.wrong_rows = self.rows = 0
+        bufs = inst.ranks[rank].mamba_bufs.preprocess
+        for buf in (bufs.src_ptrs, bufs.dst_ptrs, bufs.sizes):
+            self._wrap(buf)
+
+    def _wrap(self, buf) -> None:
+        upload = buf.copy_to_gpu
+
+        def copy_to_gpu(n=None):
+            if any(b is buf for _, b, _ in self.pending):  # the next step's upload: the last one ran
+                self.execute()
+            self.uploads += 1
+            self.pending.append((self.uploads, buf, buf.np[: len(buf.np) if n is None else n].copy()))
+            return upload(n)
+
+        buf.copy_to_gpu = copy_to_gpu
+
+    def execute(self, upto: int | None = None) -> None:
+        """The device reads the pending uploads (those numbered up to ``upto``, or all)."""
+        keep = []
+        for number, buf, rows in self.pending:
+            if upto is not None and number > upto:
+                keep.append((number, buf, rows))
+                continue
+            self.rows += len(rows)
+            self.wrong_rows += int((buf.np[: len(rows)] != rows).sum())
+        self.pending = keep
+
+    def event(self, *args, **kwargs):
+        """A ``torch.npu.Event`` stand-in: ``synchronize`` completes the uploads before its ``record``."""
+        owner = self
+
+        class _Event:
+            mark = None
+
+            def record(self, *a):
+                self.mark = owner.uploads
+
+            def synchronize(self):
+                if self.mark is not None:
+                    owner.execute(upto=self.mark)
+
+        return _Event()

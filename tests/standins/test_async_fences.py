@@ -15,7 +15,7 @@ import os
 import pytest
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.patches import async_fences
+from ascend_layerwise_patch.patches import async_fences, mamba_precopy
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR
@@ -24,7 +24,7 @@ PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
-from harness_pool import InFlightWrites, PoolInstance, engine_loop, make_pool  # noqa: E402
+from harness_pool import DelayedUploads, InFlightWrites, PoolInstance, engine_loop, make_pool  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
@@ -110,3 +110,36 @@ def test_a_kv_producer_defers_frees_while_a_step_is_in_flight(library):
     assert off["reused"] > 0 and off["overwritten"] > 0 and off["wrong"] > 0, off  # the race, library off
     assert on["overwritten"] == 0 and on["wrong"] == 0, on
     assert on["outputs"] is not None and len(on["outputs"]) == 2
+
+
+# Race 1 (``mamba_precopy``, group gdn_layerwise): the align pre-copy's pinned pointer rows are
+# uploaded non-blocking after execute_model's input-prep event; the next step's preprocess_mamba
+# rewrites them. No pool needed: 16-token chunks make every step of a prefill pre-copy (4 rows each).
+
+
+def _prefill_in_chunks(monkeypatch, on: bool) -> DelayedUploads:
+    import torch
+
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    env = dict(os.environ)
+    if not on:
+        env["ASCEND_LAYERWISE_PATCH_SKIP"] = mamba_precopy.GROUP
+    reg.activate(environ=env)
+    inst = PoolInstance(None, name="U", async_scheduling=True, max_num_batched_tokens=16)
+    uploads = DelayedUploads(inst)
+    monkeypatch.setattr(torch.npu, "Event", uploads.event)
+    inst.add_request("long", list(range(7000, 7100)), max_tokens=2)
+    engine_loop(inst)
+    uploads.execute()
+    assert inst.wrong_reads() == []  # the harness itself copies at once
+    return uploads
+
+
+def test_the_next_step_waits_for_the_pre_copy_upload(monkeypatch, library):
+    off = _prefill_in_chunks(monkeypatch, False)
+    on = _prefill_in_chunks(monkeypatch, True)
+    print({"off": (off.wrong_rows, off.rows), "on": (on.wrong_rows, on.rows)})
+    assert off.rows > 0 and on.rows == off.rows
+    assert off.wrong_rows > 0  # the device would copy the next step's rows (library off)
+    assert on.wrong_rows == 0
