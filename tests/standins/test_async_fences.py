@@ -143,3 +143,22 @@ def test_the_next_step_waits_for_the_pre_copy_upload(monkeypatch, library):
     assert off.rows > 0 and on.rows == off.rows
     assert off.wrong_rows > 0  # the device would copy the next step's rows (library off)
     assert on.wrong_rows == 0
+
+
+def test_the_fence_checks_read_the_installed_scheduler(monkeypatch):
+    """Precondition and fixed-upstream detector on the installed source, and on edited copies of it."""
+    import ast
+
+    assert async_fences._precondition(None) is None
+    assert async_fences._fixed_upstream(None) is None  # kv_consumer only: not fixed
+    init, tree = async_fences._fence_init()
+    text = ast.unparse(tree)
+    assert "kv_transfer_config.is_kv_consumer" in text
+    widened = ast.parse(text.replace("kv_transfer_config.is_kv_consumer", "kv_transfer_config.is_kv_transfer_instance"))
+    monkeypatch.setattr(async_fences, "_fence_init", lambda: (init, widened))
+    assert "already defers" in async_fences._fixed_upstream(None)  # a producer is fenced upstream: skip
+    drifted = ast.parse(text.replace("self.deferred_frees", "self.pending_frees"))
+    monkeypatch.setattr(async_fences, "_fence_init", lambda: (init, drifted))
+    assert "deferred_frees" in async_fences._precondition(None)
+    monkeypatch.setattr(async_fences, "_fence_init", lambda: (None, None))
+    assert "sets defer_block_free" in async_fences._precondition(None)
