@@ -38,6 +38,9 @@ imports nothing heavy at import time (factories import their targets' neighbours
    How:     rows whose source a layerwise load writes this step are uploaded once and copied per
             layer (same batch-copy kernel) between the layer's wait and its first state read;
             every other row keeps upstream's bulk copy. Same group as gdn_layerwise: both or none.
+            Async scheduling (issue 23): the pinned rows are uploaded after execute_model's
+            input-prep event, so an NPU event is recorded after the upload and the next step's first
+            row write synchronizes it (the next preprocess_mamba could rewrite unread rows).
    Upstream: not fixed in vllm-ascend 0.25.1rc1 / 0.26.0rc1 (applies on both; upstream reworked it on
             its V2 runner later).
    Remove:  when vllm-ascend's runner no longer pre-copies in bulk (detected: the group then skips).
