@@ -28,11 +28,13 @@ load_failures           load_failures                              failed, raisi
 load_failures_saves     load_failures                              the keys a failed step saved were made ready
 load_failures_policy    load_failures                              vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
 load_failures_rollback  load_failures                              the in-place rollback shared the null block, kept stale blocks cached and async frames
+async_fences            async_fences                               with async scheduling a kv_producer's freed block could be loaded into while the in-flight step still wrote it
 """
 
 from __future__ import annotations
 
 from . import (
+    async_fences,
     connector_guards,
     gdn_layerwise,
     gdn_tp_keys,
@@ -61,4 +63,5 @@ SPECS = (
     *pool_key_layout.SPECS,
     *mamba_pool_hit.RESUME_LOAD_SPECS,
     *load_failures.SPECS,
+    *async_fences.SPECS,
 )

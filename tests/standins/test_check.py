@@ -112,7 +112,9 @@ def test_check_json_records_every_place_with_its_state():
         assert {f"{m}:maybe_save_kv_layer_to_connector" for m in SAVE_COPIES} <= set(places)
         assert {places[f"{m}:maybe_save_kv_layer_to_connector"] for m in SAVE_COPIES} == {"applied"}
         assert not [q for p in doc["patches"] for q in p["places"] if q["state"] in ("pending", "failed")]
+        assert states["async_free_fence"] == "applied"  # issue 23: vLLM defers frees for kv_consumer only
     elif PAIR == "v0250":
+        assert states["async_free_fence"] == "applied"  # issue 23: vLLM 0.25.0 has the same consumer-only fence
         assert states["guard_wait"] == "applied" and states["gdn_layerwise"] == "skipped"
         gdn_copy = {q["place"]: q for q in patches["guard_save"]["places"]}["vllm_ascend.ops.gdn:maybe_save_kv_layer_to_connector"]
         assert gdn_copy["state"] == "skipped" and "does not import" in gdn_copy["reason"]
@@ -148,6 +150,7 @@ def test_check_json_records_every_place_with_its_state():
         assert patches["send_shedding"]["state"] == "skipped" and "out of range" in patches["send_shedding"]["reason"]
         for name in fixed:
             assert patches[name]["state"] == "skipped" and patches[name]["reason"].startswith("already fixed upstream"), patches[name]
+        assert states["async_free_fence"] == "applied"  # issue 23: vLLM 0.26.0's fence is consumer-only too
         for spec in load_failures.SPECS:
             assert patches[spec.name]["state"] == "skipped" and "version out of range" in patches[spec.name]["reason"]
     else:
