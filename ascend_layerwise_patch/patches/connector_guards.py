@@ -25,8 +25,8 @@ import functools
 
 from ..registry import PatchSpec, copies_in_source
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 MODULE = "vllm_ascend.attention.utils"
 
 #: modules known to copy each helper with ``from vllm_ascend.attention.utils import ...`` (0.25.1rc1);

@@ -45,9 +45,11 @@ from ..registry import PatchSpec
 from . import mamba_precopy
 from .connector_guards import STATE
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 PARAMS = ["self", "mixed_qkv", "b", "a", "core_attn_out"]
+#: where the compute-start fence lives: its own module up to 0.26, the AscendStore pool's package on 0.30
+FENCES = ("vllm_ascend.memcache_comm_fence", "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.attention_fence")
 QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core"
 
 
@@ -61,13 +63,27 @@ def _precondition(original) -> str | None:
     if "maybe_save_kv_layer_to_connector" not in source:
         return "_forward_core no longer saves the layer (maybe_save_kv_layer_to_connector)"
     utils = importlib.import_module("vllm_ascend.attention.utils")
-    fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
+    fence = _fence()
+    if fence is None:
+        return f"the compute-start fence module is gone (looked for {', '.join(FENCES)})"
     if not callable(getattr(utils, "wait_for_kv_layer_from_connector", None)):
         return "vllm_ascend.attention.utils.wait_for_kv_layer_from_connector is gone"
     if not callable(getattr(fence, "record_attention_compute_start", None)):
-        return "vllm_ascend.memcache_comm_fence.record_attention_compute_start is gone"
+        return f"{fence.__name__}.record_attention_compute_start is gone"
     if not hasattr(importlib.import_module(STATE), "_KV_CONNECTOR_AGENT"):
         return f"{STATE} no longer keeps the transfer group in _KV_CONNECTOR_AGENT"
+    return None
+
+
+def _fence():
+    import importlib.util
+
+    for name in FENCES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return importlib.import_module(name)
+        except ImportError:
+            continue
     return None
 
 
@@ -88,7 +104,7 @@ def join_layerwise(original):
     skips both: the fence takes a lock on every call, ~0.25 us per layer otherwise.
     """
     utils = importlib.import_module("vllm_ascend.attention.utils")
-    fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
+    fence = _fence()
     state = importlib.import_module(STATE)
     pending = mamba_precopy.PENDING
 

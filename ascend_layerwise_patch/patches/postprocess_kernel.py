@@ -40,8 +40,8 @@ import functools
 from ..kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
 from ..registry import PatchSpec
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 GROUP = "postprocess_kernel"
 ASCEND_KERNEL = "vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel"
 V2_CALLER = "vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align"
@@ -103,9 +103,29 @@ def _old_kernel(original) -> str | None:
     return None
 
 
+def _vllm_kernel_params() -> list[str] | None:
+    """The parameters of vLLM's own kernel, read from vllm.v1.worker.mamba_utils' source (vllm-ascend's
+    patch_mamba_utils replaces the module attribute, so the installed object may be vllm-ascend's)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm.v1.worker.mamba_utils")
+    if spec is None or not spec.origin:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "postprocess_mamba_fused_kernel":
+            return [a.arg for a in node.args.args]
+    return None
+
+
 def _ascend_has_new_signature(original) -> str | None:
-    if kernel_params(original) == list(PARAMS):
+    got = kernel_params(original)
+    if got == list(PARAMS):
         return f"vllm-ascend's kernel already takes vLLM's {len(PARAMS)} parameters"
+    if got != OLD_PARAMS and got == _vllm_kernel_params():  # later releases (0.30: 24)
+        return f"vllm-ascend's kernel takes the {len(got)} parameters of the installed vLLM's kernel"
     return None
 
 
