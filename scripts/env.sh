@@ -77,6 +77,7 @@ build_pair() {
   line=$(grep -E "^$name[[:space:]]" scripts/pairs.txt) || { echo "unknown pair $name (see scripts/pairs.txt)" >&2; exit 2; }
   read -r _ vllm ascend _ <<<"$line"
   local venv=$root/$name want="vllm==$vllm vllm-ascend==$ascend"
+  if [ "$ascend" != "-" ] && sdist_only "$ascend"; then want+=" +$(sha1sum requirements/sdist-pairs.lock | cut -c1-12)"; fi
   if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then
     [ -x "$venv/bin/ascend-layerwise-patch" ] || { say "$name: adding this package's console script"; install_self "$venv"; }
     say "$name: ready ($want)"; return
