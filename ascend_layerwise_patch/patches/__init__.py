@@ -13,7 +13,7 @@ imports nothing heavy at import time (factories import their targets' neighbours
             is misaligned.
    How:     call through only when ``connector.has_connector_metadata()``, as vLLM's own
             ``maybe_transfer_kv_layer`` does.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1; fixed in 0.30.0rc2 (detected).
    Remove:  when vllm-ascend's helpers check it (detected: the patch then skips itself).
 
 ** gdn_layerwise ** and ** gdn_layerwise_310p ** (``gdn_layerwise.py``)
@@ -26,7 +26,9 @@ imports nothing heavy at import time (factories import their targets' neighbours
    How:     wait_for_kv_layer_from_connector(self.prefix), then record_attention_compute_start(),
             at the entry of _forward_core (eager, inside the qwen_gdn_attention_core custom op;
             forward is Dynamo-traced with fullgraph=True).
-   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1.
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 nor 0.26.0rc1. 0.30.0rc2: the main GDN layer waits and
+            fences itself (skipped, detected; the fence now lives in ascend_store.attention_fence), the
+            310P layer still does not (gdn_layerwise_310p applies).
    Remove:  when vllm-ascend's _forward_core waits itself (detected: the patch then skips itself).
 
 ** mamba_precopy_rows ** and ** mamba_precopy_defer ** (``mamba_precopy.py``, group ``gdn_layerwise``)
@@ -38,8 +40,9 @@ imports nothing heavy at import time (factories import their targets' neighbours
    How:     rows whose source a layerwise load writes this step are uploaded once and copied per
             layer (same batch-copy kernel) between the layer's wait and its first state read;
             every other row keeps upstream's bulk copy. Same group as gdn_layerwise: both or none.
-   Upstream: not fixed in vllm-ascend 0.25.1rc1 / 0.26.0rc1 (applies on both; upstream reworked it on
-            its V2 runner later).
+   Upstream: not fixed in vllm-ascend 0.25.1rc1 / 0.26.0rc1 (applies on both). 0.30.0rc2's runner hands
+            the copy to the connector (prepare_mamba_state_copy, per layer after its load; the bulk copy
+            is only the fallback of other connectors): skipped there, detected.
    Remove:  when vllm-ascend's runner no longer pre-copies in bulk (detected: the group then skips).
 
 ** mamba_local_hit ** (``mamba_local_hit.py``)
@@ -52,6 +55,8 @@ imports nothing heavy at import time (factories import their targets' neighbours
    Upstream: not fixed in vllm-ascend 0.25.1rc1. 0.26.0rc1 fixed it for producer roles only (its
             scheduler takes the joint lookup for kv_producer / kv_both); kv_consumer instances and
             balance scheduling still lose the state there, so the patch applies on both pairs.
+            0.30.0rc2 looks every group up, but balance scheduling takes max(per_group_hits) with no
+            reconciliation: applies (detected by reading those callers).
    Remove:  when the coordinator no longer skips mamba groups (detected: the group then skips).
 
 ** mamba_pool_hit ** (``mamba_pool_hit.py``)
@@ -149,6 +154,7 @@ imports nothing heavy at import time (factories import their targets' neighbours
    Upstream: not fixed in vllm-ascend 0.25.1rc1; vllm-ascend 0.26.0rc1's kernel has the 23
             parameters (postprocess_kernel is skipped there, vllm-ascend's kernel stays in place);
             vLLM 0.26.0's V2 caller still passes no out buffer (postprocess_v2_out_buffer applies).
+            vllm-ascend 0.30.0rc2 / vLLM 0.30: both fixed (its kernel takes the installed vLLM's 24).
    Remove:  when vllm-ascend's kernel takes the 23 parameters and vLLM's V2 caller passes an out
             buffer (both detected: each patch then skips itself).
 

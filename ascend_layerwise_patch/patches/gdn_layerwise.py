@@ -5,7 +5,8 @@ Target   vllm_ascend.ops.gdn: AscendGatedDeltaNetAttention._forward_core, and th
          (``_GDN_PATCH_TARGET``), whichever runs first. Separately (own group), the 310P variant
          vllm_ascend._310p.ops.fla.gdn_310: AscendGatedDeltaNetAttention310._forward_core, which
          ``patch_qwen3_5`` installs instead on 310P.
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (both _forward_core s are unchanged in
+Versions vLLM 0.25, 0.26, 0.29, 0.30; vllm-ascend 0.25.1rc1, 0.26.0rc1, 0.30.0rc2 (0.30's main
+         _forward_core waits itself: skipped there; its 310P one does not: applied). (Both are unchanged in
          vllm-ascend 0.26.0rc1; on vLLM 0.25.0, vllm-ascend 0.25.1rc1's
          ops.gdn does not import at all, so the group is skipped there: nothing can run it).
 Why      Full-attention layers go through vLLM's ``maybe_transfer_kv_layer`` (wait for the layer,

@@ -4,7 +4,7 @@ Target   vllm_ascend.patch.platform.patch_kv_cache_coordinator:
          AscendHybridKVCacheCoordinator.find_longest_cache_hit_per_group; and
          vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.bind_gpu_block_pool (to know
          which scheduler's block pool the pool connector serves).
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. On vllm-ascend 0.26.0rc1 the scheduler
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25). On vllm-ascend 0.26.0rc1 the scheduler
          (``BalanceScheduler.schedule``, balance scheduling off) hides ``has_mamba_layers`` from
          the lookup choice when the connector is a KV producer (``kv_producer`` / ``kv_both``), so
          those instances take the joint lookup and never reach this method; a ``kv_consumer``

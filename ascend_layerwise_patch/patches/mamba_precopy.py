@@ -3,7 +3,7 @@
 Target   vllm.v1.worker.mamba_utils: collect_mamba_copy_meta (records which request / layer each
          copy row belongs to) and do_mamba_copy_block (splits the rows); the GDN layer entry of
          ``gdn_layerwise`` applies a layer's deferred rows. Same group as ``gdn_layerwise``.
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. vllm-ascend 0.26.0rc1's execute_model still
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25). vllm-ascend 0.26.0rc1's execute_model still
          calls ``do_mamba_copy_block`` right after ``maybe_get_kv_connector_output`` (same defect).
 Why      ``NPUModelRunner.execute_model`` collects the pre-copy rows with
          ``mamba_utils.preprocess_mamba`` (vllm-ascend's version: source block

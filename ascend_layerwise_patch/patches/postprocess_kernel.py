@@ -4,7 +4,7 @@ Target   vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel
          of it that vllm-ascend's ``patch/worker/patch_mamba_utils`` makes: its own module global
          and ``vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel``;
          vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align (V2 caller)
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). vLLM 0.24 calls the
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25) (base releases). vLLM 0.24 calls the
          kernel with 20 parameters. vllm-ascend 0.26.0rc1's kernel takes the 23 itself, so there
          ``postprocess_kernel`` is skipped (fixed upstream) and vllm-ascend's kernel stays in place;
          vLLM 0.26.0's V2 caller still passes no out buffer, so ``postprocess_v2_out_buffer`` applies.
