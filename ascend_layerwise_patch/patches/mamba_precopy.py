@@ -3,7 +3,7 @@
 Target   vllm.v1.worker.mamba_utils: collect_mamba_copy_meta (records which request / layer each
          copy row belongs to) and do_mamba_copy_block (splits the rows); the GDN layer entry of
          ``gdn_layerwise`` applies a layer's deferred rows. Same group as ``gdn_layerwise``.
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. vllm-ascend 0.26.0rc1's execute_model still
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25). vllm-ascend 0.26.0rc1's execute_model still
          calls ``do_mamba_copy_block`` right after ``maybe_get_kv_connector_output`` (same defect).
 Why      ``NPUModelRunner.execute_model`` collects the pre-copy rows with
          ``mamba_utils.preprocess_mamba`` (vllm-ascend's version: source block
@@ -50,8 +50,8 @@ from ._checks import PatchSpec
 from ._checks import param_names as _params
 from ._targets import STATE
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
 GROUP = "gdn_layerwise"
 COLLECT_PARAMS = [
@@ -99,13 +99,39 @@ def _copy_precondition(original) -> str | None:
     return None
 
 
+ASCEND_STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector"
+
+
+def _defines(module: str, cls: str, method: str) -> bool:
+    """Whether ``module``'s source defines ``cls.method`` (read, never imported: the connector module
+    imports this one's target)."""
+    import ast
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return any(
+        isinstance(node, ast.ClassDef)
+        and node.name == cls
+        and any(isinstance(item, ast.FunctionDef) and item.name == method for item in node.body)
+        for node in tree.body
+    )
+
+
 def _fixed_upstream(original) -> str | None:
     spec = importlib.util.find_spec("vllm_ascend.worker.model_runner_v1")
     if spec is None or not spec.origin:
         return None
     with open(spec.origin, encoding="utf-8") as f:
-        if "do_mamba_copy_block(" not in f.read():
-            return "vllm-ascend's model runner no longer pre-copies in bulk"
+        runner = f.read()
+    if "do_mamba_copy_block(" not in runner:
+        return "vllm-ascend's model runner no longer pre-copies in bulk"
+    # 0.30: the runner hands the copy to the connector, which stages it per layer after each layer's
+    # load; the bulk copy stays only as the fallback for connectors that cannot
+    if "prepare_mamba_state_copy" in runner and _defines(ASCEND_STORE, "AscendStoreConnector", "prepare_mamba_state_copy"):
+        return "vllm-ascend's runner lets the AscendStore connector copy per layer after its load (prepare_mamba_state_copy)"
     return None
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from support import PAIR, ROOT, _child_env, expected_states, run_cli, run_python
 
-ALL_PAIRS = ("v0251", "v0250", "v0240", "v0260")
+ALL_PAIRS = ("v0251", "v0250", "v0240", "v0260", "v0300", "v0290")
 
 #: the copies of the connector helpers issue 13 lists for vllm-ascend 0.25.1rc1
 SAVE_COPIES = (
@@ -153,8 +153,33 @@ def test_check_json_records_every_place_with_its_state():
         assert states["async_free_fence"] == "applied"  # issue 23: vLLM 0.26.0's fence is consumer-only too
         for spec in load_failures.SPECS:
             assert patches[spec.name]["state"] == "skipped" and "version out of range" in patches[spec.name]["reason"]
+    elif PAIR in ("v0300", "v0290"):  # issue 25: vllm-ascend 0.30.0rc2 fixed most of it; see V030 below
+        assert states == V030, {n: (s, patches[n]["reason"]) for n, s in states.items() if V030.get(n) != s}
+        for name in V030_FIXED:
+            assert patches[name]["reason"].startswith("already fixed upstream"), patches[name]
+        for name, state in states.items():
+            if state == "skipped" and name not in V030_FIXED:
+                assert "version out of range" in patches[name]["reason"], patches[name]
     else:
         assert set(states.values()) == {"skipped"}
+
+
+#: vllm-ascend 0.30.0rc2 (on vLLM 0.30.0 and 0.29.0): what is detected as fixed upstream, what applies;
+#: every other patch is declared for 0.25 / 0.26 only (0.30 reworked those targets), out of range
+V030_FIXED = (
+    "guard_wait", "guard_save", "gdn_layerwise", "mamba_precopy_rows", "mamba_precopy_defer",
+    "postprocess_kernel", "postprocess_v2_out_buffer",
+)
+V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool")
+
+
+def _v030_states() -> dict[str, str]:
+    from ascend_layerwise_patch.patches import SPECS
+
+    return {s.name: "applied" if s.name in V030_APPLIED else "skipped" for s in SPECS}
+
+
+V030 = _v030_states()
 
 
 @pytest.mark.pairs("v0251", "v0250")
