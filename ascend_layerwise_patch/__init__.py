@@ -11,12 +11,13 @@ from __future__ import annotations
 import sys
 
 from .patches import SPECS
+from .host import HOST
 from .registry import PatchError, PatchSpec, PatchStatus, Registry
 
 __version__ = "0.1.0"
 __all__ = ["REGISTRY", "PatchError", "PatchSpec", "PatchStatus", "activate", "revert", "status"]
 
-REGISTRY = Registry(SPECS)
+REGISTRY = Registry(SPECS, host=HOST)
 
 
 def activate(environ=None) -> list[PatchStatus]:
@@ -55,7 +56,7 @@ def _activate_on_import() -> None:
     try:
         activate()
     except PatchError as exc:
-        from .registry import logger
+        from .host import logger
 
         logger().error("ascend_layerwise_patch: strict mode: %s", exc)
 

@@ -105,6 +105,11 @@ def install() -> None:
     torch_npu.npu_format_cast = lambda weight, fmt: weight
     torch_npu.npu.current_device = MagicMock(return_value=0)
     torch_npu._C._NPUTaskGroupHandle = MagicMock
+    # torch_npu's own dtypes, read at import time by vllm-ascend 0.30's quantization utils
+    import torch
+
+    for dtype in ("float4_e2m1fn_x2", "float8_e8m0fnu", "hifloat8"):
+        setattr(torch_npu, dtype, getattr(torch, dtype, None) or MagicMock(name=f"torch_npu.{dtype}"))
     sys.modules["torch_npu"] = torch_npu
     sys.modules["torch_npu.npu"] = torch_npu.npu
     sys.modules["torch_npu._C"] = torch_npu._C
@@ -120,6 +125,14 @@ def install() -> None:
     # Mooncake's transfer engine (a C++ extension on NPU nodes).
     sys.modules.setdefault("mooncake", _module("mooncake", package=True))
     sys.modules["mooncake.engine"] = _module("mooncake.engine", TransferEngine=MagicMock(name="TransferEngine"))
+
+    # torch_npu's ATB op plugin and its tensor-sharing reductions (vllm-ascend 0.30's worker imports them)
+    for sub in ("torch_npu.op_plugin", "torch_npu.multiprocessing"):
+        sys.meta_path.insert(0, _MockPackageFinder(sub))
+
+    # fla_npu: the Ascend C kernels of flash-linear-attention (vllm-ascend 0.30's ops.gdn imports them)
+    if importlib.util.find_spec("fla_npu") is None:
+        sys.meta_path.insert(0, _MockPackageFinder("fla_npu"))
 
     if _torchvision_unusable():
         sys.meta_path.insert(0, _MockPackageFinder("torchvision"))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from .registry import PatchError, logger
+    from .host import logger
+    from .registry import PatchError
 
     try:
         from . import activate  # importing the package activates; calling again is a no-op

@@ -9,7 +9,9 @@ A step is what the runner does for the pre-copy: ``collect_mamba_copy_meta`` onc
 upload and one batch copy; patched: the split, one upload, then one slice copy per GDN layer from
 that layer's entry, ``copy_for_layer``). The batch-copy kernel launch (``mamba_utils.batch_memcpy``,
 a Triton launcher on NPU) is a no-op here: host cost only. Also: the patched path on a step without
-loads (rows recorded, bulk copy). Real vLLM 0.25.1 structures (MambaCopyBuffers, KVCacheConfig,
+loads (rows recorded, bulk copy); and both patched paths with vs without the upload's event
+(issue 23; ``torch.npu.Event`` stood in by its host-side calls: the wait's device time -- the
+gap between the input-prep event and the upload in stream order -- is not modelled). Real vLLM 0.25.1 structures (MambaCopyBuffers, KVCacheConfig,
 the GDN copy-spec functions), the NPU runtime stood in.
 """
 
@@ -91,6 +93,19 @@ def main() -> int:
 
     from ascend_layerwise_patch.patches import mamba_precopy
 
+    import torch
+
+    class HostEvent:  # torch.npu.Event's host-side calls (the device's time is not modelled here)
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, *a):
+            pass
+
+        def synchronize(self):
+            pass
+
+    torch.npu.Event = HostEvent  # the upload's event (issue 23), as on NPU: one per runner, recorded each step
     launches = []
     mamba_utils.batch_memcpy = lambda src, dst, sizes: launches.append(len(src))  # the kernel launch: not timed
     orig_collect = getattr(mamba_utils.collect_mamba_copy_meta, "__wrapped__", mamba_utils.collect_mamba_copy_meta)
@@ -112,17 +127,35 @@ def main() -> int:
             deferred = time_step(lambda: step(s, ours_collect, ours_copy, mamba_precopy.copy_for_layer), n, repeat)
             s.connector.bind_connector_metadata(s.empty)
             no_load = time_step(lambda: step(s, ours_collect, ours_copy, mamba_precopy.copy_for_layer), n, repeat)
+            assert getattr(s.bufs, mamba_precopy.UPLOAD_PENDING), "no upload event recorded"
+            # the same patched step without the upload's event (as before issue 23): no NPU Event API
+            del torch.npu.Event
+            setattr(s.bufs, mamba_precopy.UPLOAD_EVENT, None)
+            setattr(s.bufs, mamba_precopy.UPLOAD_PENDING, False)
+            no_event = time_step(lambda: step(s, ours_collect, ours_copy, mamba_precopy.copy_for_layer), n, repeat)
+            s.connector.bind_connector_metadata(s.loaded)
+            deferred_no_event = time_step(lambda: step(s, ours_collect, ours_copy, mamba_precopy.copy_for_layer), n, repeat)
+            assert not getattr(s.bufs, mamba_precopy.UPLOAD_PENDING)
+            torch.npu.Event = HostEvent
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
         rows.append({"requests": num_reqs, "gdn_layers": num_layers, "rows": 2 * num_reqs * num_layers,
                      "upstream_bulk_us": round(upstream, 2), "deferred_us": round(deferred, 2),
                      "ratio": round(deferred / upstream, 2), "patched_no_load_us": round(no_load, 2),
-                     "no_load_ratio": round(no_load / upstream, 2)})
+                     "no_load_ratio": round(no_load / upstream, 2),
+                     "no_load_no_event_us": round(no_event, 2), "event_ratio_no_load": round(no_load / no_event, 2),
+                     "deferred_no_event_us": round(deferred_no_event, 2),
+                     "event_ratio_deferred": round(deferred / deferred_no_event, 2)})
     print("per-step host cost of the align pre-copy (collect + copy + per-layer slices), same rows, one run")
     print(f"{'reqs':>5} {'layers':>6} {'rows':>6} {'upstream us':>12} {'deferred us':>12} {'ratio':>6} {'no-load us':>11} {'ratio':>6}")
     for r in rows:
         print(f"{r['requests']:>5} {r['gdn_layers']:>6} {r['rows']:>6} {r['upstream_bulk_us']:>12} {r['deferred_us']:>12} "
               f"{r['ratio']:>6} {r['patched_no_load_us']:>11} {r['no_load_ratio']:>6}")
+    print("the upload's event (issue 23: record after the upload, synchronize before the next step's rows), host cost")
+    print(f"{'reqs':>5} {'layers':>6} {'no-load us':>11} {'no event':>9} {'ratio':>6} {'deferred us':>12} {'no event':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['requests']:>5} {r['gdn_layers']:>6} {r['patched_no_load_us']:>11} {r['no_load_no_event_us']:>9} "
+              f"{r['event_ratio_no_load']:>6} {r['deferred_us']:>12} {r['deferred_no_event_us']:>9} {r['event_ratio_deferred']:>6}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -49,11 +49,35 @@ build_base() {
   say "base: ready"
 }
 
+# vllm-ascend 0.27 and later ship only an sdist whose build requirements pin triton-ascend==3.2.2 (not on
+# the index), so a plain install fails; built here without isolation and without its custom kernels
+# (SOC_VERSION spares its setup the npu-smi query). The sdist is downloaded once into $root/.sdist.
+sdist_only() { [ "$(printf '%s\n' "$1" 0.27 | sort -V | head -1)" = 0.27 ]; }
+install_ascend_sdist() {
+  local venv=$1 ver=$2 dl=$root/.sdist
+  mkdir -p "$dl"
+  local tgz; tgz=$(ls "$dl"/vllm_ascend-"$ver".tar.gz "$dl"/vllm-ascend-"$ver".tar.gz 2>/dev/null | head -1 || true)
+  pip_q "$venv" setuptools wheel setuptools_scm
+  if [ -z "$tgz" ]; then
+    # --no-build-isolation: pip prepares the sdist's metadata here too, and in isolation it would
+    # try to install every build requirement (torch-npu, triton-ascend==3.2.2, ...)
+    SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 "$venv/bin/python" -m pip download $quiet \
+      --disable-pip-version-check --no-deps --no-binary :all: --no-build-isolation \
+      -d "$dl" "vllm-ascend==$ver" 2>&1 | grep -v "^WARNING: Location" || true
+    tgz=$(ls "$dl"/vllm_ascend-"$ver".tar.gz "$dl"/vllm-ascend-"$ver".tar.gz 2>/dev/null | head -1 || true)
+  fi
+  [ -n "$tgz" ] || { echo "env: could not download the vllm-ascend $ver sdist" >&2; exit 1; }
+  SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 pip_q "$venv" --no-deps --no-build-isolation "$tgz"
+  "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-ascend') == '$ver'" \
+    || { echo "env: installing vllm-ascend $ver from $tgz failed" >&2; exit 1; }
+}
+
 build_pair() {
   local name=$1 line vllm ascend
   line=$(grep -E "^$name[[:space:]]" scripts/pairs.txt) || { echo "unknown pair $name (see scripts/pairs.txt)" >&2; exit 2; }
   read -r _ vllm ascend _ <<<"$line"
   local venv=$root/$name want="vllm==$vllm vllm-ascend==$ascend"
+  if [ "$ascend" != "-" ] && sdist_only "$ascend"; then want+=" +$(sha1sum requirements/sdist-pairs.lock | cut -c1-12)"; fi
   if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then
     [ -x "$venv/bin/ascend-layerwise-patch" ] || { say "$name: adding this package's console script"; install_self "$venv"; }
     say "$name: ready ($want)"; return
@@ -67,8 +91,16 @@ build_pair() {
   echo "import site; site.addsitedir('$base_site')" > "$site/_alp_base.pth"
   local pkgs=("vllm==$vllm")
   [ "$ascend" != "-" ] && pkgs+=("vllm-ascend==$ascend")
-  say "$name: downloading and installing ${pkgs[*]}"
-  pip_q "$venv" --no-deps "${pkgs[@]}"
+  if [ "$ascend" != "-" ] && sdist_only "$ascend"; then
+    say "$name: downloading and installing vllm==$vllm; vllm-ascend==$ascend from its sdist (no wheel on the index)"
+    pip_q "$venv" --no-deps "vllm==$vllm"
+    install_ascend_sdist "$venv" "$ascend"
+    # base lacks numba (vLLM declares it); 0.30's AscendStore connector reaches vLLM's ngram proposer
+    pip_q "$venv" --no-deps -r requirements/sdist-pairs.lock
+  else
+    say "$name: downloading and installing ${pkgs[*]}"
+    pip_q "$venv" --no-deps "${pkgs[@]}"
+  fi
   say "$name: installing this package (editable: the console script ascend-layerwise-patch)"
   install_self "$venv"
   echo "$want" > "$venv/.done"

@@ -46,6 +46,7 @@ if [ -x "$root/v0251/bin/python" ]; then
   smoke bench_hotpath "$root/v0251/bin/python" scripts/bench_hotpath.py --quick
   smoke bench_precopy "$root/v0251/bin/python" scripts/bench_precopy.py --quick
   smoke bench_shedding "$root/v0251/bin/python" scripts/bench_shedding.py --quick
+  smoke bench_async_fences "$root/v0251/bin/python" scripts/bench_async_fences.py --quick
   smoke bench_pool_metrics "$root/v0251/bin/python" scripts/bench_pool_metrics.py --quick
   # vLLM's and vllm-ascend's kernel files come out of their wheels into git-ignored .bench/ (the wheels
   # go to a temporary folder and are deleted)

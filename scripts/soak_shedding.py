@@ -25,23 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "standins")]
 
-#: name -> (PoolInstance kwargs, soak kwargs, slow_store kwargs)
-SCENARIOS = {
-    # the first scenario: 60 requests of 20-300 tokens, 16 running, a 240-block pool
-    "slow": (dict(num_blocks=240, max_num_seqs=16), dict(requests=60, prompt=(20, 300), output=(1, 4)), {}),
-    # preemption and aborts: 110 blocks, 40-260-token prompts, 16-80 output tokens, 12 running
-    "preempt": (
-        dict(num_blocks=110, max_num_seqs=12),
-        dict(requests=60, prompt=(40, 260), output=(16, 80), abort_p=0.05),
-        {},
-    ),
-    # TP=2, rank 1's store slow, rank 0's fast
-    "tp2": (
-        dict(num_blocks=240, max_num_seqs=16, tp=2, kv_heads=2),
-        dict(requests=60, prompt=(20, 300), output=(1, 4)),
-        dict(match=lambda key: key.endswith("@1")),
-    ),
-}
 QUICK = {"requests": 16}
 
 
@@ -64,7 +47,7 @@ def run(scenario: str, mode: str, seed: int, deadline: float, quick: bool) -> di
     import harness_pool as hp
     from ascend_layerwise_patch.patches import send_shedding
 
-    inst_kw, soak_kw, slow_kw = SCENARIOS[scenario]
+    inst_kw, soak_kw, slow_kw = hp.SOAK_SCENARIOS[scenario]
     soak_kw = {**soak_kw, **(QUICK if quick else {})}
     activate(mode)
     pool = hp.make_pool() if mode != "nosave" else None

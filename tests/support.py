@@ -82,3 +82,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300):
     return subprocess.run(
         [str(console_script()), *args], cwd=ROOT, env=_child_env(env), capture_output=True, text=True, timeout=timeout
     )
+
+
+def expected_states():
+    """scripts/expected_states.py, loaded by path (the table's reader and the README renderer)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("expected_states", ROOT / "scripts" / "expected_states.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,7 @@
 
 Target   vllm_ascend.attention.utils: wait_for_kv_layer_from_connector,
          maybe_save_kv_layer_to_connector (and every ``from ... import`` copy of them)
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases); the helpers and their six
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25) (base releases); the helpers and their six
          copies are unchanged in vllm-ascend 0.26.0rc1
 Why      Both helpers call the connector whenever a KV transfer group exists and the forward
          context carries attention metadata -- also in the profile run and in dummy runs, where
@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import functools
 
-from ..registry import PatchSpec, copies_in_source
+from ._checks import PatchSpec
+from ._targets import STATE
+from ._checks import copies_in_source
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 MODULE = "vllm_ascend.attention.utils"
 
 #: modules known to copy each helper with ``from vllm_ascend.attention.utils import ...`` (0.25.1rc1);
@@ -43,7 +45,6 @@ COPIED_INTO = {
 }
 
 #: the transfer-group state module, read directly on the hot path (see ``guard``)
-STATE = "vllm.distributed.kv_transfer.kv_transfer_state"
 
 
 def _expects(params: list[str]):

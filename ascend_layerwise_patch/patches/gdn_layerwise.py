@@ -5,7 +5,8 @@ Target   vllm_ascend.ops.gdn: AscendGatedDeltaNetAttention._forward_core, and th
          (``_GDN_PATCH_TARGET``), whichever runs first. Separately (own group), the 310P variant
          vllm_ascend._310p.ops.fla.gdn_310: AscendGatedDeltaNetAttention310._forward_core, which
          ``patch_qwen3_5`` installs instead on 310P.
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (both _forward_core s are unchanged in
+Versions vLLM 0.25, 0.26, 0.29, 0.30; vllm-ascend 0.25.1rc1, 0.26.0rc1, 0.30.0rc2 (0.30's main
+         _forward_core waits itself: skipped there; its 310P one does not: applied). (Both are unchanged in
          vllm-ascend 0.26.0rc1; on vLLM 0.25.0, vllm-ascend 0.25.1rc1's
          ops.gdn does not import at all, so the group is skipped there: nothing can run it).
 Why      Full-attention layers go through vLLM's ``maybe_transfer_kv_layer`` (wait for the layer,
@@ -41,13 +42,15 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from . import mamba_precopy
-from .connector_guards import STATE
+from ._targets import STATE
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 PARAMS = ["self", "mixed_qkv", "b", "a", "core_attn_out"]
+#: where the compute-start fence lives: its own module up to 0.26, the AscendStore pool's package on 0.30
+FENCES = ("vllm_ascend.memcache_comm_fence", "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.attention_fence")
 QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core"
 
 
@@ -61,13 +64,27 @@ def _precondition(original) -> str | None:
     if "maybe_save_kv_layer_to_connector" not in source:
         return "_forward_core no longer saves the layer (maybe_save_kv_layer_to_connector)"
     utils = importlib.import_module("vllm_ascend.attention.utils")
-    fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
+    fence = _fence()
+    if fence is None:
+        return f"the compute-start fence module is gone (looked for {', '.join(FENCES)})"
     if not callable(getattr(utils, "wait_for_kv_layer_from_connector", None)):
         return "vllm_ascend.attention.utils.wait_for_kv_layer_from_connector is gone"
     if not callable(getattr(fence, "record_attention_compute_start", None)):
-        return "vllm_ascend.memcache_comm_fence.record_attention_compute_start is gone"
+        return f"{fence.__name__}.record_attention_compute_start is gone"
     if not hasattr(importlib.import_module(STATE), "_KV_CONNECTOR_AGENT"):
         return f"{STATE} no longer keeps the transfer group in _KV_CONNECTOR_AGENT"
+    return None
+
+
+def _fence():
+    import importlib.util
+
+    for name in FENCES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return importlib.import_module(name)
+        except ImportError:
+            continue
     return None
 
 
@@ -88,7 +105,7 @@ def join_layerwise(original):
     skips both: the fence takes a lock on every call, ~0.25 us per layer otherwise.
     """
     utils = importlib.import_module("vllm_ascend.attention.utils")
-    fence = importlib.import_module("vllm_ascend.memcache_comm_fence")
+    fence = _fence()
     state = importlib.import_module(STATE)
     pending = mamba_precopy.PENDING
 

@@ -77,9 +77,6 @@ Rollback (group ``load_failures_rollback``) Rewinding ``num_computed_tokens`` in
          with the block table each step saw: align mode may free the loaded state block before the
          failed step's output is handled). vllm-ascend's pool scheduler dropped (and then raised on) a
          request preempted outside ``schedule()`` and resumed by the next one: kept.
-Cost     (group ``mamba_pool_resume_load``, vllm-ascend 0.25.1rc1) a pool hit looked up every block
-         of the range and copied each intermediate mamba state into the null block: mamba_pool_hit's
-         0.26 member (null blocks neither looked up, leased nor loaded) applies here too.
 Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-ascend reports
          failed layerwise loads itself (detected per half: the scheduler spec skips itself when
          ``_update_requests_with_invalid_blocks`` no longer unpacks one group; the worker specs
@@ -94,9 +91,10 @@ import threading
 import time
 
 from .. import pool_events
-from ..registry import APPLIED, PENDING, PatchSpec, logger
-from . import mamba_pool_hit as _pool_hit
-from ._checks import with_risk
+from ..host import logger
+from ..registry import APPLIED, PENDING
+from ._targets import STORE
+from ._checks import PatchSpec, with_risk
 from ._checks import expects as _expects
 from ._checks import source as _source
 
@@ -106,8 +104,6 @@ GROUP = "load_failures"
 POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
 ROLLBACK_GROUP = "load_failures_rollback"  # recompute = evict + preempt (own group: own switch)
 SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
-RESUME_LOAD_GROUP = "mamba_pool_resume_load"  # 0.25.1rc1: a pool hit loads only the state it resumes from
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
 
@@ -626,21 +622,18 @@ def make_build_meta(original):
     return build_connector_meta
 
 
-def _group_in_force() -> bool:
-    """``load_failures`` is applied in this process, or waiting for its modules (not skipped, not
-    failed). The platform's config check runs long before the scheduler and pool modules are
-    imported, which is why the refusal below is lifted by its own group, coupled through this."""
-    from .. import REGISTRY
-
-    states = {st.state for st in REGISTRY.status() if st.group == GROUP}
-    return bool(states) and states <= {APPLIED, PENDING}
-
-
-def make_policy_check(original):
+def make_policy_check(original, context):
     """vllm-ascend's platform refuses ``kv_load_failure_policy=recompute`` for hybrid models (the
-    scheduler could not roll them back); with ``load_failures`` in force it can. Installed as a
-    plain function: vllm-ascend calls it through the class (``cls._validate_...``)."""
+    scheduler could not roll them back); with ``load_failures`` in force it can: applied in this
+    process, or waiting for its modules (not skipped, not failed), read from the registry's
+    ``context``. The platform's config check runs long before the scheduler and pool modules are
+    imported, which is why the refusal is lifted by its own group, coupled through this. Installed
+    as a plain function: vllm-ascend calls it through the class (``cls._validate_...``)."""
     check = original.__func__
+
+    def _group_in_force() -> bool:
+        states = context.group_states(GROUP)
+        return bool(states) and states <= {APPLIED, PENDING}
 
     @functools.wraps(check)
     def _validate_kv_load_failure_policy(vllm_config):
@@ -800,7 +793,7 @@ _WHY = (
 
 
 def _spec(
-    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK
+    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK, context=False
 ) -> PatchSpec:
     return PatchSpec(
         name=name,
@@ -813,6 +806,7 @@ def _spec(
         vllm_ascend=VLLM_ASCEND,
         precondition=with_risk(precondition, risk),
         fixed_upstream=fixed,
+        context=context,
     )
 
 
@@ -820,23 +814,6 @@ _INVALID = ["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "ev
 _COPY = ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"]
 
 SPECS = (
-    PatchSpec(
-        name="mamba_pool_resume_load",
-        group=RESUME_LOAD_GROUP,
-        target=f"{STORE}.pool_worker:KVPoolWorker._prepare_load_gvas",
-        # mamba_pool_hit's 0.26 member, on 0.25.1rc1: the null mamba blocks of a hit are neither looked
-        # up nor leased nor loaded (0.25.1rc1 looks up every block of the hit range, and every
-        # intermediate chunk-end state that exists is copied into the null block)
-        factory=lambda original: _pool_hit.null_loads_present(original),
-        why="a layerwise pool hit loads only the mamba state it resumes from, not every chunk-end state into the null block",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(
-            _pool_hit._loads_precondition,
-            "every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
-        ),
-        fixed_upstream=_pool_hit._loads_fixed,
-    ),
     _spec(
         "load_fail_copy",
         f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._batch_copy_with_limits",
@@ -877,6 +854,7 @@ SPECS = (
         _policy_ok,
         fixed=_upstream_allows_hybrid,
         group=POLICY_GROUP,
+        context=True,
     ),
     _spec(
         "load_fail_rollback",

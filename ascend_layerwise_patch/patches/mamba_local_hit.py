@@ -4,7 +4,7 @@ Target   vllm_ascend.patch.platform.patch_kv_cache_coordinator:
          AscendHybridKVCacheCoordinator.find_longest_cache_hit_per_group; and
          vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.bind_gpu_block_pool (to know
          which scheduler's block pool the pool connector serves).
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. On vllm-ascend 0.26.0rc1 the scheduler
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25). On vllm-ascend 0.26.0rc1 the scheduler
          (``BalanceScheduler.schedule``, balance scheduling off) hides ``has_mamba_layers`` from
          the lookup choice when the connector is a KV producer (``kv_producer`` / ``kv_both``), so
          those instances take the joint lookup and never reach this method; a ``kv_consumer``
@@ -40,11 +40,11 @@ from __future__ import annotations
 import functools
 import weakref
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._checks import param_names as _params
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 COORDINATOR = "vllm_ascend.patch.platform.patch_kv_cache_coordinator:AscendHybridKVCacheCoordinator"
 POOL_SCHEDULER = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler:KVPoolScheduler"
 
@@ -65,12 +65,59 @@ def _coordinator_precondition(original) -> str | None:
     return None
 
 
+#: vllm-ascend's schedulers that take a local hit from the per-group lookup (0.30: balance scheduling,
+#: the dynamic load-balance scheduler)
+PER_GROUP_CALLERS = ("vllm_ascend.patch.platform.patch_balance_schedule", "vllm_ascend.core.dyntra_lb_scheduler")
+
+
+def unreconciled_callers() -> list[str]:
+    """The callers of ``find_longest_cache_hit_per_group`` in vllm-ascend that take the largest
+    per-group hit as the local hit (``max`` over the lengths it returned): read from their source,
+    never imported. Such a hit is deeper than the mamba group's when only full attention is cached
+    that far, and the request then starts GDN from the null block."""
+    import ast
+    import importlib.util
+
+    found = []
+    for name in PER_GROUP_CALLERS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:
+            continue
+        if spec is None or not spec.origin:
+            continue
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        lengths = set()
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "attr", None) == "find_longest_cache_hit_per_group"
+                and isinstance(node.targets[0], ast.Tuple)
+                and len(node.targets[0].elts) == 2
+                and isinstance(node.targets[0].elts[1], ast.Name)
+            ):
+                lengths.add(node.targets[0].elts[1].id)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "max"
+                and len(node.args) == 1
+                and getattr(node.args[0], "id", None) in lengths
+            ):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
 def _coordinator_fixed(original) -> str | None:
     import inspect
 
-    if "MambaSpec" not in inspect.getsource(original):
-        return "find_longest_cache_hit_per_group no longer skips mamba groups"
-    return None
+    if "MambaSpec" in inspect.getsource(original):  # 0.25 / 0.26: mamba groups are skipped
+        return None
+    if unreconciled_callers():  # 0.30: every group looked up, but balance scheduling takes the max
+        return None
+    return "find_longest_cache_hit_per_group no longer skips mamba groups and no caller takes the largest per-group hit"
 
 
 def _bind_precondition(original) -> str | None:

@@ -3,9 +3,10 @@
 Target   vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler._get_layerwise_gva_hit_tokens
          (the scheduler's hit check over MemCache keys); vllm_ascend...ascend_store.pool_worker:
          KVPoolWorker._alloc_gvas_for_save (which keys a layerwise save publishes) and, on vllm-ascend
-         0.26 only, KVPoolWorker._prepare_load_gvas (member ``mamba_pool_null_loads``).
+         0.26 only, KVPoolWorker._prepare_load_gvas (member ``mamba_pool_null_loads``; on 0.25.1rc1
+         the same wrapper is group ``mamba_pool_resume_load``, see ``RESUME_LOAD_SPECS``).
 Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (``mamba_pool_null_loads``: vllm-ascend
-         >=0.26.0,<0.27). vllm-ascend 0.26.0rc1's hit check and save are unchanged (same defects).
+         >=0.26.0,<0.27; ``mamba_pool_resume_load``: <0.26). vllm-ascend 0.26.0rc1's hit check and save are unchanged (same defects).
 Why      Two hit boundaries where no saved state exists, both read by GDN as if it did:
          (c1) a prompt wholly in the pool whose length is a multiple of the block size: the hit
          check returns the whole prompt and ``get_num_new_matched_tokens`` subtracts one TOKEN, so
@@ -51,13 +52,14 @@ import importlib
 import math
 
 from .. import pool_events
-from ..registry import PatchSpec
-from ._checks import expects, source
+from ._targets import STORE as POOL
+from ._checks import PatchSpec, expects, source, with_risk
 from ._checks import param_names as _params
 
+# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
+# sending thread); not declared for it: out of range there, see the README's version table
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
-POOL = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
 
 
@@ -326,6 +328,33 @@ SPECS = (
         vllm=VLLM,
         vllm_ascend=">=0.26.0,<0.27",  # vllm-ascend 0.25.1rc1 logs a missing key and loads nothing for it
         precondition=_loads_precondition,
+        fixed_upstream=_loads_fixed,
+    ),
+)
+
+
+#: Its own group, applied after pool_key_layout and before load_failures (patches.SPECS): the same
+#: fix as ``mamba_pool_null_loads`` on vllm-ascend 0.25.1rc1, where a pool hit looked up every block
+#: of its range and copied each intermediate chunk-end mamba state that exists into the null block
+#: (load cost; the null block is shared). There the null blocks of a hit are neither looked up,
+#: leased nor loaded.
+RESUME_LOAD_GROUP = "mamba_pool_resume_load"
+RESUME_LOAD_SPECS = (
+    PatchSpec(
+        name="mamba_pool_resume_load",
+        group=RESUME_LOAD_GROUP,
+        target=f"{POOL}.pool_worker:KVPoolWorker._prepare_load_gvas",
+        # mamba_pool_hit's 0.26 member, on 0.25.1rc1: the null mamba blocks of a hit are neither looked
+        # up nor leased nor loaded (0.25.1rc1 looks up every block of the hit range, and every
+        # intermediate chunk-end state that exists is copied into the null block)
+        factory=null_loads_present,
+        why="a layerwise pool hit loads only the mamba state it resumes from, not every chunk-end state into the null block",
+        vllm=">=0.25.0,<0.26",
+        vllm_ascend=">=0.25.1,<0.26",  # 0.26.0rc1: mamba_pool_null_loads does the same
+        precondition=with_risk(
+            _loads_precondition,
+            "every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
+        ),
         fixed_upstream=_loads_fixed,
     ),
 )

@@ -3,7 +3,7 @@
 Target   vllm.v1.worker.mamba_utils: collect_mamba_copy_meta (records which request / layer each
          copy row belongs to) and do_mamba_copy_block (splits the rows); the GDN layer entry of
          ``gdn_layerwise`` applies a layer's deferred rows. Same group as ``gdn_layerwise``.
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27. vllm-ascend 0.26.0rc1's execute_model still
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25). vllm-ascend 0.26.0rc1's execute_model still
          calls ``do_mamba_copy_block`` right after ``maybe_get_kv_connector_output`` (same defect).
 Why      ``NPUModelRunner.execute_model`` collects the pre-copy rows with
          ``mamba_utils.preprocess_mamba`` (vllm-ascend's version: source block
@@ -26,6 +26,14 @@ How      ``collect_mamba_copy_meta`` (when a KV connector exists) remembers, per
          ``[vllm_cached_tokens // block_size, cdiv(kvpool_cached_tokens, block_size))`` (deferring a
          row is always safe: it still runs before its layer reads). Without a connector, without
          layerwise loads, and for requests without a load, the path is upstream's, unchanged.
+         Pinned rows vs async scheduling (issue 23): ``preprocess_mamba`` fills the pinned
+         ``src_ptrs`` / ``dst_ptrs`` / ``sizes`` inside ``synchronize_input_prep`` but the upload
+         (``copy_to_gpu``, non-blocking) is enqueued later, after that block recorded its event: the
+         next step's wait does not cover it, and its ``preprocess_mamba`` can rewrite the rows before
+         the device read them (vllm-ascend 0.25.1rc1 and 0.26.0rc1 alike; with or without a pool).
+         ``do_mamba_copy_block`` records an NPU event (``torch.npu.Event``, blocking) after the
+         upload -- upstream's path or ours -- and the next step's first ``collect_mamba_copy_meta``
+         (offset 0, before any row is written) synchronizes it. Counted in ``status()``.
          Why the same group as ``gdn_layerwise``: only a process whose GDN layers wait per layer can
          apply the rows per layer; a process that waits per layer but pre-copies in bulk is the bug.
 Removal  When vLLM-Ascend's runner defers the pre-copy itself (upstream did it on its V2 model
@@ -38,13 +46,14 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 from ._checks import param_names as _params
-from .connector_guards import STATE
+from ._targets import STATE
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
+GROUP = "gdn_layerwise"
 COLLECT_PARAMS = [
     "copy_bufs",
     "kv_cache_config",
@@ -61,6 +70,10 @@ COLLECT_PARAMS = [
 _ROWS: list[tuple] = []
 #: layer name -> (src, dst, sizes) device slices still to copy this step
 PENDING: dict[str, tuple] = {}
+#: attributes this module keeps on a runner's MambaCopyBuffers: the upload's event, and whether it
+#: was recorded since the last wait
+UPLOAD_EVENT, UPLOAD_PENDING = "_alp_upload_event", "_alp_upload_pending"
+_COUNTS = {"upload_events": 0, "upload_waits": 0}
 
 
 def _collect_precondition(original) -> str | None:
@@ -81,7 +94,30 @@ def _copy_precondition(original) -> str | None:
     missing = {"src_ptrs", "dst_ptrs", "sizes", "offset"} - set(fields)
     if missing:
         return f"MambaCopyBuffers lost {sorted(missing)}"
+    if "__slots__" in vars(utils.MambaCopyBuffers):
+        return "MambaCopyBuffers has __slots__: no room for the upload's event"
     return None
+
+
+ASCEND_STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector"
+
+
+def _defines(module: str, cls: str, method: str) -> bool:
+    """Whether ``module``'s source defines ``cls.method`` (read, never imported: the connector module
+    imports this one's target)."""
+    import ast
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return any(
+        isinstance(node, ast.ClassDef)
+        and node.name == cls
+        and any(isinstance(item, ast.FunctionDef) and item.name == method for item in node.body)
+        for node in tree.body
+    )
 
 
 def _fixed_upstream(original) -> str | None:
@@ -89,8 +125,13 @@ def _fixed_upstream(original) -> str | None:
     if spec is None or not spec.origin:
         return None
     with open(spec.origin, encoding="utf-8") as f:
-        if "do_mamba_copy_block(" not in f.read():
-            return "vllm-ascend's model runner no longer pre-copies in bulk"
+        runner = f.read()
+    if "do_mamba_copy_block(" not in runner:
+        return "vllm-ascend's model runner no longer pre-copies in bulk"
+    # 0.30: the runner hands the copy to the connector, which stages it per layer after each layer's
+    # load; the bulk copy stays only as the fallback for connectors that cannot
+    if "prepare_mamba_state_copy" in runner and _defines(ASCEND_STORE, "AscendStoreConnector", "prepare_mamba_state_copy"):
+        return "vllm-ascend's runner lets the AscendStore connector copy per layer after its load (prepare_mamba_state_copy)"
     return None
 
 
@@ -111,6 +152,8 @@ def record_rows(original):
         forward_context,
     ):
         start = copy_bufs.offset
+        if start == 0:  # the step's first write into the pinned rows: the last upload must have read them
+            _wait_for_upload(copy_bufs)
         original(
             copy_bufs,
             kv_cache_config,
@@ -186,12 +229,16 @@ def defer_loaded_rows(original):
         loads = _layerwise_loads(state) if n and rows else None
         split = _split(rows, loads, n) if loads else None
         if not split or not split[1]:
-            return original(copy_bufs)
+            original(copy_bufs)
+            if n:
+                _record_upload(copy_bufs)
+            return
         bulk, deferred = split
         order = bulk + [r for layer_rows in deferred.values() for r in layer_rows]
         for buf in (copy_bufs.src_ptrs, copy_bufs.dst_ptrs, copy_bufs.sizes):
             buf.np[:n] = buf.np[order]
         src, dst, sizes = (buf.copy_to_gpu(n) for buf in (copy_bufs.src_ptrs, copy_bufs.dst_ptrs, copy_bufs.sizes))
+        _record_upload(copy_bufs)
         nb = len(bulk)
         if nb:
             utils.batch_memcpy(src[:nb], dst[:nb], sizes[:nb])
@@ -202,6 +249,46 @@ def defer_loaded_rows(original):
             pos = end
 
     return do_mamba_copy_block
+
+
+def _new_event():
+    """A device event as vllm-ascend makes its own (``torch.npu.Event``), blocking (sleeps instead
+    of spinning, as vLLM's ``prepare_inputs_event``); None where there is no NPU API."""
+    import torch
+
+    npu = getattr(torch, "npu", None)
+    factory = getattr(npu, "Event", None)
+    if factory is None:
+        return None
+    try:
+        return factory(blocking=True)
+    except TypeError:
+        return factory()
+
+
+def _record_upload(copy_bufs) -> None:
+    """Mark the end of this step's non-blocking upload of the pinned rows (the current stream)."""
+    event = getattr(copy_bufs, UPLOAD_EVENT, None)
+    if event is None:
+        event = _new_event()
+        if event is None:
+            return
+        setattr(copy_bufs, UPLOAD_EVENT, event)
+    event.record()
+    _COUNTS["upload_events"] += 1
+    setattr(copy_bufs, UPLOAD_PENDING, True)
+
+
+def _wait_for_upload(copy_bufs) -> None:
+    """Before the next step rewrites the pinned rows: the last upload has read them."""
+    if getattr(copy_bufs, UPLOAD_PENDING, False):
+        setattr(copy_bufs, UPLOAD_PENDING, False)
+        getattr(copy_bufs, UPLOAD_EVENT).synchronize()
+        _COUNTS["upload_waits"] += 1
+
+
+def counters() -> dict[str, int]:
+    return dict(_COUNTS)
 
 
 def copy_for_layer(layer_name: str) -> None:
@@ -215,7 +302,7 @@ def copy_for_layer(layer_name: str) -> None:
 def _spec(name: str, target: str, factory, precondition, why: str) -> PatchSpec:
     return PatchSpec(
         name=name,
-        group="gdn_layerwise",  # applies with the GDN per-layer wait, or not at all
+        group=GROUP,  # applies with the GDN per-layer wait, or not at all
         target=f"{MAMBA_UTILS}:{target}",
         factory=factory,
         why=why,
@@ -223,6 +310,7 @@ def _spec(name: str, target: str, factory, precondition, why: str) -> PatchSpec:
         vllm_ascend=VLLM_ASCEND,
         precondition=precondition,
         fixed_upstream=_fixed_upstream,
+        counters=counters if name == "mamba_precopy_defer" else None,
     )
 
 

@@ -32,14 +32,14 @@ from __future__ import annotations
 import functools
 
 from .. import pool_events
-from ..registry import PatchSpec
+from ._checks import PatchSpec, with_risk
 from ._checks import source as _source
-from ._checks import with_risk
+from ._targets import STORE
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "pool_metrics"
-CONNECTOR = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector:AscendStoreConnector"
+CONNECTOR = f"{STORE}.ascend_store_connector:AscendStoreConnector"
 _LAST = "_ascend_layerwise_patch_gauges"  # scheduler half: the gauges last reported
 
 

@@ -4,7 +4,7 @@ Target   vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel
          of it that vllm-ascend's ``patch/worker/patch_mamba_utils`` makes: its own module global
          and ``vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel``;
          vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align (V2 caller)
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). vLLM 0.24 calls the
+Versions vLLM >=0.25.0,<0.31 but 0.27 / 0.28; vllm-ascend >=0.25.1,<0.31 but 0.27-0.29 (0.30.0rc2: issue 25) (base releases). vLLM 0.24 calls the
          kernel with 20 parameters. vllm-ascend 0.26.0rc1's kernel takes the 23 itself, so there
          ``postprocess_kernel`` is skipped (fixed upstream) and vllm-ascend's kernel stays in place;
          vLLM 0.26.0's V2 caller still passes no out buffer, so ``postprocess_v2_out_buffer`` applies.
@@ -38,10 +38,10 @@ from __future__ import annotations
 import functools
 
 from ..kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
-from ..registry import PatchSpec
+from ._checks import PatchSpec
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
+VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
+VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 GROUP = "postprocess_kernel"
 ASCEND_KERNEL = "vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel"
 V2_CALLER = "vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align"
@@ -103,9 +103,29 @@ def _old_kernel(original) -> str | None:
     return None
 
 
+def _vllm_kernel_params() -> list[str] | None:
+    """The parameters of vLLM's own kernel, read from vllm.v1.worker.mamba_utils' source (vllm-ascend's
+    patch_mamba_utils replaces the module attribute, so the installed object may be vllm-ascend's)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm.v1.worker.mamba_utils")
+    if spec is None or not spec.origin:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "postprocess_mamba_fused_kernel":
+            return [a.arg for a in node.args.args]
+    return None
+
+
 def _ascend_has_new_signature(original) -> str | None:
-    if kernel_params(original) == list(PARAMS):
+    got = kernel_params(original)
+    if got == list(PARAMS):
         return f"vllm-ascend's kernel already takes vLLM's {len(PARAMS)} parameters"
+    if got != OLD_PARAMS and got == _vllm_kernel_params():  # later releases (0.30: 24)
+        return f"vllm-ascend's kernel takes the {len(got)} parameters of the installed vLLM's kernel"
     return None
 
 

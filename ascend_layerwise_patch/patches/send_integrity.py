@@ -65,14 +65,18 @@ import time
 import weakref
 
 from .. import pool_events
-from ..registry import MARKER, PatchSpec, logger
+from ..host import logger
+from ..registry import MARKER
+from ._checks import PatchSpec
+from ._targets import STORE
 from ._checks import source as _source
 from ._checks import with_risk
 
+# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
+# sending thread); not declared for it: out of range there, see the README's version table
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
 GROUP = "mamba_lifetime"  # same group as mamba_lifetime.py: one send path, all or nothing
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 
 INCOMPLETE = -1  #: the write result a key with an unwritten slot is finished with (non-zero: failed)
 STUCK_AFTER_S = 10.0  #: save_kv_layer's own wait for the step's last layer

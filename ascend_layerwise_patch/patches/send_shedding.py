@@ -60,14 +60,15 @@ import threading
 import time
 
 from .. import pool_events
-from ..registry import PatchSpec, logger
+from ..host import logger
+from ._checks import PatchSpec
+from ._targets import STORE
 from ._checks import source as _source
 from ._checks import with_risk
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"  # 0.26.0rc1: its backlog ends in its own fatal assertion (see Versions)
 GROUP = "mamba_lifetime"  # the events it bounds are the lifetime patch's: one send path, all or nothing
-STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
 ENV_BACKLOG = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG"
 ENV_STEPS = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS"
 DEFAULT_FRACTION = 0.25  #: of the block pool: block references open layerwise sends may hold

@@ -272,4 +272,4 @@ def test_one_summary_line_through_vllms_logger():
     proc = run_python(STANDINS + "import ascend_layerwise_patch\n" + worker)
     lines = [line for line in proc.stdout.splitlines() if "ascend_layerwise_patch [vllm " in line]
     assert len(lines) == 1, proc.stdout
-    assert lines[0].startswith("INFO ") and "[registry.py:" in lines[0]  # vLLM's format, vLLM's handler
+    assert lines[0].startswith("INFO ") and "[summary.py:" in lines[0]  # vLLM's format, vLLM's handler

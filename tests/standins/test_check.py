@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from support import PAIR, ROOT, _child_env, run_cli, run_python
+from support import PAIR, ROOT, _child_env, expected_states, run_cli, run_python
 
-ALL_PAIRS = ("v0251", "v0250", "v0240", "v0260")
+ALL_PAIRS = ("v0251", "v0250", "v0240", "v0260", "v0300", "v0290")
 
 #: the copies of the connector helpers issue 13 lists for vllm-ascend 0.25.1rc1
 SAVE_COPIES = (
@@ -94,6 +94,11 @@ def test_check_json_records_every_place_with_its_state():
     doc = json.loads(proc.stdout)
     patches = {p["name"]: p for p in doc["patches"]}
     states = {name: p["state"] for name, p in patches.items()}
+    # issue 24: every patch's state is the one scripts/expected_states.txt gives for this pair
+    es = expected_states()
+    got = {p["name"]: es.code_of(p["state"], p["reason"]) for p in doc["patches"]}
+    want = {name: codes[PAIR] for name, codes in es.load()[1].items()}
+    assert got == want, {name: (got.get(name), want.get(name)) for name in {*got, *want} if got.get(name) != want.get(name)}
     for p in doc["patches"]:
         assert p["places"][0] == {"place": p["target"], "role": "target", "state": p["state"], "reason": p["reason"]}
     if PAIR == "v0251":
@@ -107,7 +112,9 @@ def test_check_json_records_every_place_with_its_state():
         assert {f"{m}:maybe_save_kv_layer_to_connector" for m in SAVE_COPIES} <= set(places)
         assert {places[f"{m}:maybe_save_kv_layer_to_connector"] for m in SAVE_COPIES} == {"applied"}
         assert not [q for p in doc["patches"] for q in p["places"] if q["state"] in ("pending", "failed")]
+        assert states["async_free_fence"] == "applied"  # issue 23: vLLM defers frees for kv_consumer only
     elif PAIR == "v0250":
+        assert states["async_free_fence"] == "applied"  # issue 23: vLLM 0.25.0 has the same consumer-only fence
         assert states["guard_wait"] == "applied" and states["gdn_layerwise"] == "skipped"
         gdn_copy = {q["place"]: q for q in patches["guard_save"]["places"]}["vllm_ascend.ops.gdn:maybe_save_kv_layer_to_connector"]
         assert gdn_copy["state"] == "skipped" and "does not import" in gdn_copy["reason"]
@@ -143,15 +150,36 @@ def test_check_json_records_every_place_with_its_state():
         assert patches["send_shedding"]["state"] == "skipped" and "out of range" in patches["send_shedding"]["reason"]
         for name in fixed:
             assert patches[name]["state"] == "skipped" and patches[name]["reason"].startswith("already fixed upstream"), patches[name]
+        assert states["async_free_fence"] == "applied"  # issue 23: vLLM 0.26.0's fence is consumer-only too
         for spec in load_failures.SPECS:
             assert patches[spec.name]["state"] == "skipped" and "version out of range" in patches[spec.name]["reason"]
+    elif PAIR in ("v0300", "v0290"):  # issue 25: vllm-ascend 0.30.0rc2 fixed most of it; see V030 below
+        assert states == V030, {n: (s, patches[n]["reason"]) for n, s in states.items() if V030.get(n) != s}
+        for name in V030_FIXED:
+            assert patches[name]["reason"].startswith("already fixed upstream"), patches[name]
+        for name, state in states.items():
+            if state == "skipped" and name not in V030_FIXED:
+                assert "version out of range" in patches[name]["reason"], patches[name]
     else:
         assert set(states.values()) == {"skipped"}
-    # issue 26: pool_metrics applies on 0.25.x and the 0.26 pair (vllm-ascend implements none of the three methods)
-    from ascend_layerwise_patch.patches import pool_metrics
 
-    metrics = {patches[s.name]["state"] for s in pool_metrics.SPECS}
-    assert metrics == ({"skipped"} if PAIR == "v0240" else {"applied"}), metrics
+
+#: vllm-ascend 0.30.0rc2 (on vLLM 0.30.0 and 0.29.0): what is detected as fixed upstream, what applies;
+#: every other patch is declared for 0.25 / 0.26 only (0.30 reworked those targets), out of range
+V030_FIXED = (
+    "guard_wait", "guard_save", "gdn_layerwise", "mamba_precopy_rows", "mamba_precopy_defer",
+    "postprocess_kernel", "postprocess_v2_out_buffer",
+)
+V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool")
+
+
+def _v030_states() -> dict[str, str]:
+    from ascend_layerwise_patch.patches import SPECS
+
+    return {s.name: "applied" if s.name in V030_APPLIED else "skipped" for s in SPECS}
+
+
+V030 = _v030_states()
 
 
 @pytest.mark.pairs("v0251", "v0250")

@@ -281,6 +281,7 @@ def test_precopy_applies_with_gdn_layerwise_or_not_at_all():
     """(a) and the GDN per-layer wait are one group: a drifted pre-copy target takes the wait down
     too (a process that waits per layer but pre-copies in bulk is the bug), and ``check`` shows it."""
     from ascend_layerwise_patch.patches import gdn_layerwise, mamba_precopy
+    from ascend_layerwise_patch.host import HOST
     from ascend_layerwise_patch.registry import FAILED, Registry
 
     reg = ascend_layerwise_patch.REGISTRY
@@ -291,7 +292,7 @@ def test_precopy_applies_with_gdn_layerwise_or_not_at_all():
             for s in (*gdn_layerwise.SPECS, *mamba_precopy.SPECS)
             if s.group == "gdn_layerwise"
         )
-        own = Registry(drifted)
+        own = Registry(drifted, host=HOST)
         try:
             own.activate({})
             own.apply_pending()

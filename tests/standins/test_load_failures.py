@@ -186,3 +186,15 @@ def test_a_store_that_keeps_failing_costs_one_recompute(library, expected, reloa
         assert not b.has_work() and fault.hits == len(b.gdn_layers)  # one failed step: a copy per GDN layer
         assert {r.request_id: list(r.output_token_ids) for r in (req_b, req_c)} == expected
         assert b.wrong_reads("c") == []
+
+
+def test_recompute_for_a_hybrid_is_refused_without_the_group_and_allowed_with_it(library):
+    """``load_fail_policy`` lifts vllm-ascend's refusal of ``recompute`` for hybrid models only while
+    ``load_failures`` is in force (read through the registry's context, not by importing it)."""
+    library(False)  # load_failures skipped: its policy group stays applied but reads the group's state
+    with pytest.raises(Exception) as refused:
+        PoolInstance(make_pool(), name="refused", kv_load_failure_policy="recompute")
+    assert "recompute" in str(refused.value) or "hybrid" in str(refused.value).lower(), refused.value
+    library(True)
+    inst = PoolInstance(make_pool(), name="allowed", kv_load_failure_policy="recompute")
+    assert inst.configs[0].kv_transfer_config.kv_load_failure_policy == "recompute"

@@ -18,7 +18,7 @@ import os
 import pytest
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.patches import load_failures
+from ascend_layerwise_patch.patches import load_failures, mamba_pool_hit
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR
@@ -44,13 +44,13 @@ B_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + [1, 2, 3, 4, 5]
 C_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + list(range(7000, 7016))
 E_PROMPT = list(range(5000, 5021))  # another request in B's batch, nothing in the pool
 MAX_TOKENS = 3
-_ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP, load_failures.RESUME_LOAD_GROUP}
+_ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP, mamba_pool_hit.RESUME_LOAD_GROUP}
 _GROUPS = {
     "on": set(),
     "off": _ALL,  # the library's load-failure handling off
     "saves_off": {load_failures.SAVES_GROUP},  # only the dropped saves off
     "rollback_off": {load_failures.ROLLBACK_GROUP},  # only the preempting rollback off
-    "resume_load_off": {load_failures.RESUME_LOAD_GROUP},
+    "resume_load_off": {mamba_pool_hit.RESUME_LOAD_GROUP},
 }
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import mamba_lifetime
+from ascend_layerwise_patch.host import HOST
 from ascend_layerwise_patch.registry import APPLIED, FAILED, MARKER, Registry
 
 from support import PAIR, ROOT, run_python
@@ -238,7 +239,7 @@ def test_group_is_all_or_nothing(unpatched):
     """A drifted worker target leaves the scheduler half unapplied too, and says what risk remains."""
     drift = mamba_lifetime.with_risk(lambda _o: "drifted in this test", mamba_lifetime.RISK)
     drifted = tuple(s._replace(precondition=drift) if s.name == "mamba_worker_release" else s for s in mamba_lifetime.SPECS)
-    reg = Registry(drifted)
+    reg = Registry(drifted, host=HOST)
     try:
         reg.activate()
         states = {st.name: (st.state, st.reason) for st in reg.status()}
@@ -260,8 +261,9 @@ def test_applies_whichever_module_comes_first():
         _s = importlib.util.spec_from_file_location("_s", r"{ROOT / 'ascend_layerwise_patch' / 'cpu_standins.py'}")
         _m = importlib.util.module_from_spec(_s); _s.loader.exec_module(_m); _m.install()
         from ascend_layerwise_patch.patches import mamba_lifetime
+        from ascend_layerwise_patch.host import HOST
         from ascend_layerwise_patch.registry import Registry
-        reg = Registry(mamba_lifetime.SPECS)
+        reg = Registry(mamba_lifetime.SPECS, host=HOST)
         reg.activate({{}})
         import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker
         print("RESULT " + json.dumps({{st.name: st.state for st in reg.status()}}))

@@ -11,9 +11,16 @@ import pytest
 
 from ascend_layerwise_patch import registry as reg
 from ascend_layerwise_patch import versions
-from ascend_layerwise_patch.registry import PatchError, Registry, copies_in_source
+from ascend_layerwise_patch.patches._checks import copies_in_source
+from ascend_layerwise_patch.registry import PatchError, Registry as _Registry
+from ascend_layerwise_patch.host import HOST, LOGGER_NAME
 
 from test_registry import COPIER, TARGET, pkg, spec, states  # noqa: F401  (pkg is a fixture)
+
+
+def Registry(specs, **kw):
+    """The registry as the package builds it (versions and logging from the vLLM host)."""
+    return _Registry(specs, **{"host": HOST, **kw})
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +88,7 @@ def test_unknown_skip_name_is_an_error_with_the_valid_names(pkg, caplog):
     _, write = pkg
     target = write("t", TARGET)
     r = Registry([spec(target), spec(target, name="other", group="h", qual="Base.method")])
-    caplog.set_level(logging.INFO, logger=reg.LOGGER_NAME)
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     r.activate({reg.ENV_SKIP: "p,pp"})
     errors = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR]
     assert errors == [f"ascend_layerwise_patch: {reg.ENV_SKIP} names no patch or group: pp (valid patches: p, other; valid groups: g, h)"]
@@ -94,7 +101,7 @@ def test_summary_once_settled_and_again_only_on_a_change(pkg, caplog):
     _, write = pkg
     target = write("t", TARGET)
     copier = write("c", "def helper(x):\n    return -x\n")
-    caplog.set_level(logging.INFO, logger=reg.LOGGER_NAME)
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     r = Registry([spec(target, aliases=(f"{copier}:helper",))])
 
     def summaries():

@@ -27,6 +27,39 @@ SPECS = (*connector_guards.SPECS, *gdn_layerwise.SPECS, *mamba_lifetime.SPECS, *
 )
 def test_ranges(vllm, ascend, admitted):
     for spec in SPECS:
-        ok_vllm, _ = versions.in_range(versions.Installed("vllm", vllm), spec.vllm)
-        ok_ascend, _ = versions.in_range(versions.Installed("vllm-ascend", ascend), spec.vllm_ascend)
-        assert (ok_vllm and ok_ascend) is admitted, (spec.name, spec.vllm, spec.vllm_ascend)
+        ok_vllm, _ = versions.in_range(versions.Installed("vllm", vllm), spec.requires["vllm"])
+        ok_ascend, _ = versions.in_range(versions.Installed("vllm-ascend", ascend), spec.requires["vllm_ascend"])
+        assert (ok_vllm and ok_ascend) is admitted, (spec.name, spec.requires)
+
+
+# issue 25: vllm-ascend 0.30.0rc2 (on vLLM 0.30.0 / 0.29.0) is admitted by the groups that still have work
+# or a detector there; the release candidates in between are refused by every group, never installed
+from ascend_layerwise_patch.patches import SPECS as ALL_SPECS  # noqa: E402
+from ascend_layerwise_patch.patches import mamba_local_hit, mamba_precopy  # noqa: E402
+
+ON_030 = {s.name for m in (connector_guards, gdn_layerwise, mamba_precopy, postprocess_kernel, mamba_local_hit) for s in m.SPECS}
+
+
+def _admitted(spec, vllm, ascend):
+    ok_vllm, why_vllm = versions.in_range(versions.Installed("vllm", vllm), spec.requires["vllm"])
+    ok_ascend, why_ascend = versions.in_range(versions.Installed("vllm-ascend", ascend), spec.requires["vllm_ascend"])
+    return ok_vllm and ok_ascend, why_vllm or why_ascend
+
+
+@pytest.mark.parametrize(
+    "vllm,ascend",
+    [("0.27.1", "0.27.1rc1"), ("0.28.0", "0.28.0rc1"), ("0.29.0", "0.29.0rc1"), ("0.28.0", "0.27.1rc1"),
+     ("0.30.0", "0.29.0rc1"), ("0.27.0", "0.30.0rc2"), ("0.28.0", "0.30.0rc2"), ("0.31.0", "0.30.0rc2"),
+     ("0.30.0", "0.31.0rc1")],
+)
+def test_vllm_ascend_027_to_029_and_unknown_pairs_are_refused_with_a_reason(vllm, ascend):
+    for spec in ALL_SPECS:
+        ok, why = _admitted(spec, vllm, ascend)
+        assert not ok, (spec.name, vllm, ascend)
+        assert why.startswith(("vllm ", "vllm-ascend ")) and "is outside" in why, why
+
+
+@pytest.mark.parametrize("vllm", ["0.30.0", "0.29.0", "0.30.1.dev3+gabc"])
+def test_vllm_ascend_030_is_admitted_by_the_groups_declared_for_it(vllm):
+    admitted = {s.name for s in ALL_SPECS if _admitted(s, vllm, "0.30.0rc2")[0]}
+    assert admitted == ON_030, admitted ^ ON_030

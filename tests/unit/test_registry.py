@@ -16,9 +16,15 @@ import pytest
 
 from ascend_layerwise_patch import registry as reg
 from ascend_layerwise_patch import versions
-from ascend_layerwise_patch.registry import PatchError, PatchSpec, Registry
+from ascend_layerwise_patch.registry import PatchError, PatchSpec, Registry as _Registry
+from ascend_layerwise_patch.host import HOST
 
 _counter = itertools.count()
+
+
+def Registry(specs, **kw):
+    """The registry as the package builds it (versions and logging from the vLLM host)."""
+    return _Registry(specs, **{"host": HOST, **kw})
 
 
 @pytest.fixture
@@ -73,9 +79,9 @@ def wrap_plus_one(original):
     return replacement
 
 
-def spec(module: str, name="p", group="g", qual="helper", factory=wrap_plus_one, **kw) -> PatchSpec:
-    kw.setdefault("vllm", None)
-    return PatchSpec(name=name, group=group, target=f"{module}:{qual}", factory=factory, why="test", **kw)
+def spec(module: str, name="p", group="g", qual="helper", factory=wrap_plus_one, vllm=None, **kw) -> PatchSpec:
+    requires = {"vllm": vllm, "vllm_ascend": None}
+    return PatchSpec(name=name, group=group, target=f"{module}:{qual}", factory=factory, why="test", requires=requires, **kw)
 
 
 def states(r: Registry) -> dict[str, tuple[str, str]]:
@@ -428,3 +434,26 @@ def test_versions_compare_on_base_release(raw, inside):
 def test_versions_absent_and_invalid():
     assert versions.in_range(versions.Installed("vllm", None), ">=0.25")[1] == "vllm is not installed"
     assert "not a PEP 440 version" in versions.in_range(versions.Installed("vllm", "banana"), ">=0.25")[1]
+
+
+def test_a_context_factory_reads_another_groups_live_state(pkg):
+    """``PatchSpec.context``: the factory gets a read-only view of group states (no registry import)."""
+    _, write = pkg
+    first, second = write("t1", TARGET), write("t2", TARGET)
+
+    def gated(original, context):
+        def replacement(x):
+            return original(x) + (100 if context.group_states("other") <= {reg.APPLIED, reg.PENDING} else 0)
+
+        return replacement
+
+    r = Registry([spec(first, name="p", group="g", factory=gated, context=True), spec(second, name="q", group="other")])
+    r.activate({})
+    mod = importlib.import_module(first)
+    assert states(r)["q"][0] == reg.PENDING and mod.helper(1) == 102  # "other" is waiting for its module
+    importlib.import_module(second)
+    assert mod.helper(1) == 102  # applied
+    r.revert()
+    r.activate({"ASCEND_LAYERWISE_PATCH_SKIP": "other"})
+    assert states(r)["q"][0] == reg.SKIPPED and mod.helper(1) == 2  # skipped: the view says so at once
+    assert r.context.group_states("nothing") == frozenset()

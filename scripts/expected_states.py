@@ -1,0 +1,81 @@
+"""The table of every patch's expected state per pair (scripts/expected_states.txt).
+
+    python scripts/expected_states.py            print the README's table (markdown)
+    python scripts/expected_states.py --readme   rewrite that table in README.md in place
+
+The tests read the table through :func:`load` and :func:`code_of` (tests/support.py): each pair's
+``check --cpu --json`` must match its column, and the README must hold :func:`markdown`'s output.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "scripts" / "expected_states.txt"
+PAIRS = ROOT / "scripts" / "pairs.txt"
+BEGIN, END = "<!-- expected-states: begin (scripts/expected_states.py --readme) -->", "<!-- expected-states: end -->"
+WORDS = {"applied": "applied", "fixed": "fixed upstream", "range": "out of range", "noimport": "does not import"}
+
+
+def load(path: Path = TABLE) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """(pair names in column order, {patch: {pair: code}}), patches in the file's order."""
+    lines = [line.split() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    header, rows = lines[0], lines[1:]
+    assert header[0] == "patch", header
+    pairs = header[1:]
+    table: dict[str, dict[str, str]] = {}
+    for row in rows:
+        if len(row) != len(header) or any(code not in WORDS for code in row[1:]):
+            raise ValueError(f"{path}: bad row {row} (want a patch name and one of {sorted(WORDS)} per pair)")
+        table[row[0]] = dict(zip(pairs, row[1:]))
+    return pairs, table
+
+
+def code_of(state: str, reason: str) -> str:
+    """The table's code for a patch's state and reason from ``check --json``."""
+    if state == "applied":
+        return "applied"
+    if state == "skipped":
+        for code, words in (("fixed", "already fixed upstream"), ("range", "version out of range"), ("noimport", "does not import")):
+            if words in reason:
+                return code
+    return f"{state}: {reason}"
+
+
+def pair_versions() -> dict[str, tuple[str, str]]:
+    out = {}
+    for line in PAIRS.read_text().splitlines():
+        parts = line.split()
+        if parts and not parts[0].startswith("#"):
+            out[parts[0]] = (parts[1], parts[2])
+    return out
+
+
+def markdown() -> str:
+    pairs, table = load()
+    versions = pair_versions()
+    head = "| patch | " + " | ".join(f"{p} ({versions[p][0]} + {versions[p][1]})" for p in pairs) + " |"
+    rows = [head, "|---" * (len(pairs) + 1) + "|"]
+    rows += [f"| `{name}` | " + " | ".join(WORDS[codes[p]] for p in pairs) + " |" for name, codes in table.items()]
+    return "\n".join(rows)
+
+
+def readme_block() -> str:
+    return f"{BEGIN}\n{markdown()}\n{END}"
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--readme"]:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        readme.write_text(text[:start] + readme_block() + text[end:])
+        return 0
+    print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
