@@ -493,7 +493,8 @@ def make_handle_invalid(original):
         evict: set[int] = set()
         points = {}
         for request in rolled:
-            point = points[request.request_id] = request.num_computed_tokens  # where _update_requests_with_invalid_blocks rolled it back to
+            # where _update_requests_with_invalid_blocks rolled it back to
+            point = points[request.request_id] = request.num_computed_tokens
             tables = [manager.get_block_ids(request.request_id)]
             recorded = _as_scheduled(request, num_scheduled_tokens)
             if recorded is not None:  # async: blocks the failed step held that align mode freed since
