@@ -128,9 +128,15 @@ def _prefill_in_chunks(monkeypatch, on: bool) -> DelayedUploads:
     reg.activate(environ=env)
     inst = PoolInstance(None, name="U", async_scheduling=True, max_num_batched_tokens=16)
     uploads = DelayedUploads(inst)
-    monkeypatch.setattr(torch.npu, "Event", uploads.event)
-    inst.add_request("long", list(range(7000, 7100)), max_tokens=2)
-    engine_loop(inst)
+    # not monkeypatch.setattr: torch.npu is a MagicMock stand-in whose attributes live outside its
+    # __dict__, so pytest's undo would delete Event (a deleted mock attribute raises for every later test)
+    saved = torch.npu.Event
+    torch.npu.Event = uploads.event
+    try:
+        inst.add_request("long", list(range(7000, 7100)), max_tokens=2)
+        engine_loop(inst)
+    finally:
+        torch.npu.Event = saved
     uploads.execute()
     assert inst.wrong_reads() == []  # the harness itself copies at once
     return uploads
