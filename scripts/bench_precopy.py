@@ -91,7 +91,7 @@ def main() -> int:
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.v1.worker import mamba_utils
 
-    from ascend_layerwise_patch.patches import mamba_precopy
+    from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy
 
     import torch
 

@@ -49,7 +49,7 @@ def main() -> int:
     cpu_standins.install()
     import ascend_layerwise_patch as alp
     import harness_pool as hp
-    from ascend_layerwise_patch.patches import send_integrity
+    from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity
     from vllm.v1.core.block_pool import BlockPool
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import ascend_store_connector, pool_worker
 

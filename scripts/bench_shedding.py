@@ -42,7 +42,7 @@ def main() -> int:
     cpu_standins.install()
     import ascend_layerwise_patch as alp
     import harness_pool as hp
-    from ascend_layerwise_patch.patches import send_shedding
+    from ascend_layerwise_patch.patches.mamba_lifetime import send_shedding
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler import KVPoolScheduler
 

@@ -1,7 +1,8 @@
-"""The table of every patch's expected state per pair (scripts/expected_states.txt).
+"""The table of every patch's expected state per pair (scripts/expected_states.txt), and the
+README's list of groups (rendered from the index, patches/__init__.py's docstring).
 
     python scripts/expected_states.py            print the README's table (markdown)
-    python scripts/expected_states.py --readme   rewrite that table in README.md in place
+    python scripts/expected_states.py --readme   rewrite both README blocks in place
 
 The tests read the table through :func:`load` and :func:`code_of` (tests/support.py): each pair's
 ``check --cpu --json`` must match its column, and the README must hold :func:`markdown`'s output.
@@ -16,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "scripts" / "expected_states.txt"
 PAIRS = ROOT / "scripts" / "pairs.txt"
 BEGIN, END = "<!-- expected-states: begin (scripts/expected_states.py --readme) -->", "<!-- expected-states: end -->"
+GROUPS_BEGIN, GROUPS_END = "<!-- patch-groups: begin (scripts/expected_states.py --readme) -->", "<!-- patch-groups: end -->"
+INDEX = ROOT / "ascend_layerwise_patch" / "patches" / "__init__.py"
 WORDS = {"applied": "applied", "fixed": "fixed upstream", "range": "out of range", "noimport": "does not import"}
 
 
@@ -66,12 +69,38 @@ def readme_block() -> str:
     return f"{BEGIN}\n{markdown()}\n{END}"
 
 
+def groups() -> list[tuple[str, str, str]]:
+    """(group, package, what it fixes) for each line of the index, read from the source (not imported)."""
+    import ast
+
+    lines = ast.get_docstring(ast.parse(INDEX.read_text())).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["group", "package", "what"])
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        group, package, what = line.split(None, 2)
+        rows.append((group, package, what.strip()))
+    return rows
+
+
+def groups_block() -> str:
+    rows = ["| group | package (its docstring is the group's text) | what it fixes |", "|---|---|---|"]
+    rows += [
+        f"| `{group}` | [`{package}`](ascend_layerwise_patch/patches/{package}/__init__.py) | {what} |"
+        for group, package, what in groups()
+    ]
+    return f"{GROUPS_BEGIN}\n" + "\n".join(rows) + f"\n{GROUPS_END}"
+
+
 def main(argv: list[str]) -> int:
     if argv == ["--readme"]:
         readme = ROOT / "README.md"
         text = readme.read_text()
-        start, end = text.index(BEGIN), text.index(END) + len(END)
-        readme.write_text(text[:start] + readme_block() + text[end:])
+        for block, (begin, end_marker) in ((readme_block(), (BEGIN, END)), (groups_block(), (GROUPS_BEGIN, GROUPS_END))):
+            start, end = text.index(begin), text.index(end_marker) + len(end_marker)
+            text = text[:start] + block + text[end:]
+        readme.write_text(text)
         return 0
     print(markdown())
     return 0

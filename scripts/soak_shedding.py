@@ -30,7 +30,7 @@ QUICK = {"requests": 16}
 
 def activate(mode: str) -> None:
     import ascend_layerwise_patch as alp
-    from ascend_layerwise_patch.patches import send_shedding
+    from ascend_layerwise_patch.patches.mamba_lifetime import send_shedding
 
     os.environ.pop(send_shedding.ENV_BACKLOG, None)
     os.environ.pop(send_shedding.ENV_STEPS, None)
@@ -45,7 +45,7 @@ def activate(mode: str) -> None:
 
 def run(scenario: str, mode: str, seed: int, deadline: float, quick: bool) -> dict:
     import harness_pool as hp
-    from ascend_layerwise_patch.patches import send_shedding
+    from ascend_layerwise_patch.patches.mamba_lifetime import send_shedding
 
     inst_kw, soak_kw, slow_kw = hp.SOAK_SCENARIOS[scenario]
     soak_kw = {**soak_kw, **(QUICK if quick else {})}

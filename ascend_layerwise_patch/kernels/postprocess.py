@@ -70,7 +70,7 @@ Design, and why it suits triton-ascend as well as a GPU:
 * **No program reads what another writes.** Every program reads ``num_accepted`` and only the
   (state 0, piece 0) program writes the 1s -- into the out buffer. With no out buffer (vLLM
   0.25.x's V2 caller) that write goes to ``num_accepted`` in place, as vLLM's kernel does, and
-  that caller races; ``patches/postprocess_kernel.py`` replaces that caller so it passes one.
+  that caller races; ``patches/postprocess_kernel/`` replaces that caller so it passes one.
 * ``COPY_BLOCK_SIZE`` is accepted for the signature and ignored: tiling is this kernel's own.
 
 Measured (2026-12-04). Unified buffer planned by bishengir (triton-ascend 3.2.0, ascendnpu-ir

@@ -1,35 +1,40 @@
-"""Every patch group, one line each. The module docstrings say the rest (targets, versions, why,
-how, removal); ``check`` shows each patch's ``why`` and its state; scripts/expected_states.txt
-the expected state of every patch on every pair.
+"""Every patch group, one line each; one package per group family (``patches/<package>/``), whose
+docstring is the group's text (targets, versions, why, how, removal). ``check`` shows each patch's
+``why`` and its state; scripts/expected_states.txt the expected state of every patch on every pair.
 
-Each module declares :class:`~ascend_layerwise_patch.registry.PatchSpec` s as data and imports
-nothing heavy at import time (factories import their targets' neighbours lazily). A group applies
-whole or not at all; ``SPECS`` below is the order in which groups (and patches stacked on one
-target) are applied. tests/unit/test_index.py holds this list to ``SPECS``.
+A package declares :class:`~ascend_layerwise_patch.registry.PatchSpec` s as data (through
+``_checks.PatchSpec``) and imports nothing heavy at import time (factories import their targets'
+neighbours lazily). No package imports another package or the registry: what a factory needs of
+another group it reads from its ``Context`` (``PatchSpec.context``); patches stacked on one target
+name the earlier ones (``PatchSpec.after``). Target paths shared by several packages are in
+``_targets``; target checks in ``_checks``. A group applies whole or not at all; ``SPECS`` below is
+the order in which groups (and patches stacked on one target) are applied. tests/unit/test_index.py
+holds this list to ``SPECS`` and the packages to their imports.
 
 A new release pair: a line in scripts/pairs.txt (scripts/env.sh installs it); ``check --cpu --json``
 on it, read each patch's reason (a detector that answers wrongly there is fixed first), then a column
 in scripts/expected_states.txt and ``python scripts/expected_states.py --readme``; a row in the README's
 version table; ``@pytest.mark.pairs`` on the pool tests whose defect the pair still has. A new patch: a
-spec in its group's module, a row in scripts/expected_states.txt, a line here if it is a new group.
+spec in its group's package, a row in scripts/expected_states.txt, a line here if it is a new group
+(a new package if it is a new family).
 
-group                   modules                                    what it fixes
-connector_guards        connector_guards                           connector helpers called in profile / dummy runs advance the pool's layer counter
-gdn_layerwise           gdn_layerwise, mamba_precopy               GDN layers never waited for their layerwise load; align pre-copy read blocks before the load wrote them
-gdn_layerwise_310p      gdn_layerwise                              the same wait for the 310P GDN layer
-mamba_lifetime          mamba_lifetime, send_integrity, send_shedding   mamba blocks leaked or freed under an in-flight send; half-written keys made ready; a slow store pinned the block pool
-postprocess_kernel      postprocess_kernel                         vllm-ascend's Triton postprocess kernel lacked vLLM 0.25's signature; V2 caller's shared counts
-mamba_local_hit         mamba_local_hit                            a local prefix hit dropped the mamba state with the AscendStore pool
-mamba_pool_hit          mamba_pool_hit                             a pool hit resumed where no mamba state was saved; null blocks published as keys
-gdn_tp_keys             gdn_tp_keys                                at TP above the KV heads every rank read rank 0's GDN slice
-pool_key_layout         pool_key_layout                            pool keys named no layout (TP size, stage, format); evicted keys never saved again
-mamba_pool_resume_load  mamba_pool_hit                             0.25.1rc1 loaded every intermediate mamba state of a hit into the null block
-load_failures           load_failures                              failed, raising or late loads were computed on, unreported
-load_failures_saves     load_failures                              the keys a failed step saved were made ready
-load_failures_policy    load_failures                              vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
-load_failures_rollback  load_failures                              the in-place rollback shared the null block, kept stale blocks cached and async frames
-async_fences            async_fences                               with async scheduling a kv_producer's freed block could be loaded into while the in-flight step still wrote it
-pool_metrics            pool_metrics                               the pool's failures were not on vLLM's /metrics nor in its KV-transfer log line
+group                   package              what it fixes
+connector_guards        connector_guards     connector helpers called in profile / dummy runs advance the pool's layer counter
+gdn_layerwise           gdn_layerwise        GDN layers never waited for their layerwise load; align pre-copy read blocks before the load wrote them
+gdn_layerwise_310p      gdn_layerwise        the same wait for the 310P GDN layer
+mamba_lifetime          mamba_lifetime       mamba blocks leaked or freed under an in-flight send; half-written keys made ready; a slow store pinned the block pool
+postprocess_kernel      postprocess_kernel   vllm-ascend's Triton postprocess kernel lacked vLLM 0.25's signature; V2 caller's shared counts
+mamba_local_hit         mamba_local_hit      a local prefix hit dropped the mamba state with the AscendStore pool
+mamba_pool_hit          mamba_pool_hit       a pool hit resumed where no mamba state was saved; null blocks published as keys
+gdn_tp_keys             gdn_tp_keys          at TP above the KV heads every rank read rank 0's GDN slice
+pool_key_layout         pool_key_layout      pool keys named no layout (TP size, stage, format); evicted keys never saved again
+mamba_pool_resume_load  mamba_pool_hit       0.25.1rc1 loaded every intermediate mamba state of a hit into the null block
+load_failures           load_failures        failed, raising or late loads were computed on, unreported
+load_failures_saves     load_failures        the keys a failed step saved were made ready
+load_failures_policy    load_failures        vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
+load_failures_rollback  load_failures        the in-place rollback shared the null block, kept stale blocks cached and async frames
+async_fences            async_fences         with async scheduling a kv_producer's freed block could be loaded into while the in-flight step still wrote it
+pool_metrics            pool_metrics         the pool's failures were not on vLLM's /metrics nor in its KV-transfer log line
 """
 
 from __future__ import annotations
@@ -43,13 +48,12 @@ from . import (
     mamba_lifetime,
     mamba_local_hit,
     mamba_pool_hit,
-    mamba_precopy,
     pool_key_layout,
+    pool_metrics,
     postprocess_kernel,
-    send_integrity,
-    send_shedding,
 )
-from . import pool_metrics  # issue 26
+from .gdn_layerwise import mamba_precopy
+from .mamba_lifetime import send_integrity, send_shedding
 
 SPECS = (
     *connector_guards.SPECS,

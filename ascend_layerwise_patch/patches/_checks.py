@@ -8,23 +8,18 @@ import os
 import re
 from collections.abc import Iterable
 
+from ..registry import Expect
 from ..registry import PatchSpec as _Spec
 
 
 def PatchSpec(*, vllm: str | None, vllm_ascend: str | None = None, **fields) -> _Spec:  # noqa: N802 - reads as the type
     """A :class:`~ascend_layerwise_patch.registry.PatchSpec` whose requirements are vLLM's and
-    vllm-ascend's ranges (the host's keys ``vllm`` / ``vllm_ascend``)."""
+    vllm-ascend's ranges (the host's keys ``vllm`` / ``vllm_ascend``). A ``precondition`` that is an
+    :class:`~ascend_layerwise_patch.registry.Expect` (what :func:`expects` returns) is declared as
+    the spec's ``expects``: data, checked by the registry."""
+    if isinstance(fields.get("precondition"), Expect):
+        fields["expects"] = fields.pop("precondition")
     return _Spec(requires={"vllm": vllm, "vllm_ascend": vllm_ascend}, **fields)
-
-
-def with_risk(check, risk: str):
-    """``check`` whose failure also says what stays unfixed (the registry shows it in ``status()``)."""
-
-    def checked(original) -> str | None:
-        problem = check(original)
-        return f"{problem}; {risk}" if problem else None
-
-    return checked
 
 
 @functools.lru_cache(maxsize=64)  # the detectors of one group read the same class sources
@@ -45,23 +40,11 @@ def param_names(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-def expects(params: list[str], *, needs: tuple[str, ...] = (), globals_: tuple[str, ...] = ()):
-    """A precondition: these parameters, these names in the source, these module globals."""
-
-    def check(original) -> str | None:
-        got = param_names(original)
-        if got != params:
-            return f"{original.__qualname__} parameters are {got}, expected {params}"
-        text = source(original)
-        missing = [n for n in needs if text and n not in text]
-        if missing:
-            return f"{original.__qualname__} no longer uses {', '.join(missing)}"
-        absent = [n for n in globals_ if n not in original.__globals__]
-        if absent:
-            return f"{original.__module__} no longer defines/imports {', '.join(absent)}"
-        return None
-
-    return check
+def expects(params: list[str], *, needs: tuple[str, ...] = (), globals_: tuple[str, ...] = ()) -> Expect:
+    """What a target must look like, as data: these parameters, these names in its source, these
+    module globals. Declared on a spec (``precondition=expects(...)``) or called on a target inside a
+    larger check (``expects(...)(original)`` is the problem, or ``None``)."""
+    return Expect(tuple(params), tuple(needs), tuple(globals_))
 
 
 def copies_in_source(package: str, module: str, names: Iterable[str]) -> dict[str, tuple[str, ...]]:

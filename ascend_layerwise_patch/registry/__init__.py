@@ -29,6 +29,7 @@ from .spec import (
     Check,
     PLAIN,
     Context,
+    Expect,
     Host,
     PatchError,
     PatchSpec,
@@ -38,6 +39,6 @@ from .switches import ENV_ENABLE, ENV_SKIP, ENV_STRICT, Switches
 
 __all__ = [
     "APPLIED", "CONFLICT", "FAILED", "PENDING", "REVERTED", "SKIPPED", "MARKER",
-    "ENV_ENABLE", "ENV_SKIP", "ENV_STRICT", "Check", "Context", "Host", "PLAIN", "PatchError", "PatchSpec", "PatchStatus",
+    "ENV_ENABLE", "ENV_SKIP", "ENV_STRICT", "Check", "Context", "Expect", "Host", "PLAIN", "PatchError", "PatchSpec", "PatchStatus",
     "Registry", "Switches",
 ]

@@ -37,6 +37,7 @@ from .spec import (
     PatchError,
     PatchSpec,
     PatchStatus,
+    check_order,
     raise_failures,
     split_path,
 )
@@ -55,6 +56,7 @@ class Registry(GroupApplier, Summary):
         for spec in self.specs:
             for path in (spec.target, *spec.aliases):
                 split_path(path)
+        check_order(self.specs)
         self._lock = threading.RLock()
         self._active = False
         self._late = False

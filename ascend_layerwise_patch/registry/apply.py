@@ -72,7 +72,10 @@ class GroupApplier:
                 # the target by the patched package's own function under it.
                 base = install.innermost(current)
                 upstream = spec.fixed_upstream(base) if spec.fixed_upstream else None
-                problem = spec.precondition(base) if spec.precondition else None
+                problem = spec.expects.problem(base) if spec.expects else None
+                problem = problem or (spec.precondition(base) if spec.precondition else None)
+                if problem and spec.risk:
+                    problem = f"{problem}; {spec.risk}"
             except Exception as exc:  # noqa: BLE001
                 return self._fail(group, specs, spec, f"precondition raised {exc!r}")
             if upstream:

@@ -22,6 +22,37 @@ class PatchError(RuntimeError):
     """Raised in strict mode when a patch that is in range cannot be applied."""
 
 
+class Expect(NamedTuple):
+    """What a patch expects of its target, as data: its parameter names in order, names its source
+    uses, names its module defines or imports. :meth:`problem` says what differs (``None``: as expected)."""
+
+    params: tuple[str, ...] | None = None
+    uses: tuple[str, ...] = ()
+    module_globals: tuple[str, ...] = ()
+
+    def problem(self, original: Any) -> str | None:
+        import inspect  # lazy: kept off the import path
+
+        if self.params is not None:
+            got = list(inspect.signature(original).parameters)
+            if got != list(self.params):
+                return f"{original.__qualname__} parameters are {got}, expected {list(self.params)}"
+        if self.uses:
+            try:
+                text = inspect.getsource(original)
+            except (OSError, TypeError):
+                text = ""  # no source (built-in, generated): the parameters are all that can be checked
+            missing = [name for name in self.uses if text and name not in text]
+            if missing:
+                return f"{original.__qualname__} no longer uses {', '.join(missing)}"
+        absent = [name for name in self.module_globals if name not in original.__globals__]
+        if absent:
+            return f"{original.__module__} no longer defines/imports {', '.join(absent)}"
+        return None
+
+    __call__ = problem  # an Expect is also a check: ``Expect(...)(original)``
+
+
 class PatchSpec(NamedTuple):
     """One patch, declared as data.
 
@@ -57,6 +88,13 @@ class PatchSpec(NamedTuple):
     #: ``factory(original, context)`` instead: a :class:`Context`, read-only, for a patch whose
     #: behaviour depends on another group's state in this process (it never imports the registry)
     context: bool = False
+    #: what the target must look like (checked before ``precondition``; a difference fails the group)
+    expects: Expect | None = None
+    #: what stays unfixed when this patch cannot apply: appended to a failed check's reason
+    risk: str = ""
+    #: the patches (by name) this one is stacked on: every earlier spec of the same target must be
+    #: named here (two patches on one attribute say so, and in which order they wrap)
+    after: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -78,6 +116,12 @@ class Context:
     def group_states(self, group: str) -> frozenset:
         """The states of ``group``'s members in this process now (empty for an unknown group)."""
         return self._states(group)
+
+    def in_force(self, group: str) -> bool:
+        """Whether every member of ``group`` is applied, or waiting for its modules (none skipped,
+        failed, reverted or in conflict; False for an unknown group)."""
+        states = self._states(group)
+        return bool(states) and states <= {APPLIED, PENDING}
 
 
 class PatchStatus:
@@ -111,6 +155,22 @@ def split_path(path: str) -> tuple[str, str]:
     if not module or not qual:
         raise ValueError(f"patch path {path!r} must look like 'package.module:Qualified.name'")
     return module, qual
+
+
+def check_order(specs: Iterable[PatchSpec]) -> None:
+    """Patches stacked on one target declare it: each names every earlier spec of its target in
+    ``after``, and ``after`` names only earlier specs of the same target. Else a ValueError."""
+    earlier: dict[str, list[str]] = {}
+    for spec in specs:
+        below = earlier.setdefault(spec.target, [])
+        undeclared = [name for name in below if name not in spec.after]
+        unknown = [name for name in spec.after if name not in below]
+        if undeclared or unknown:
+            raise ValueError(
+                f"patch {spec.name!r} on {spec.target}: after={spec.after!r}, but the earlier patches of that "
+                f"target are {below!r} (stacked patches name every earlier one, in the order they are applied)"
+            )
+        below.append(spec.name)
 
 
 def raise_failures(statuses: Iterable[PatchStatus]) -> None:

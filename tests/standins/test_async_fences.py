@@ -15,7 +15,8 @@ import os
 import pytest
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.patches import async_fences, mamba_precopy
+from ascend_layerwise_patch.patches import async_fences
+from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR

@@ -280,7 +280,8 @@ def test_speculative_blocks_control(library_on, monkeypatch, name):
 def test_precopy_applies_with_gdn_layerwise_or_not_at_all():
     """(a) and the GDN per-layer wait are one group: a drifted pre-copy target takes the wait down
     too (a process that waits per layer but pre-copies in bulk is the bug), and ``check`` shows it."""
-    from ascend_layerwise_patch.patches import gdn_layerwise, mamba_precopy
+    from ascend_layerwise_patch.patches import gdn_layerwise
+    from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy
     from ascend_layerwise_patch.host import HOST
     from ascend_layerwise_patch.registry import FAILED, Registry
 

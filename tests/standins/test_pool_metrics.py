@@ -23,7 +23,8 @@ import pytest
 
 import ascend_layerwise_patch
 from ascend_layerwise_patch import pool_events
-from ascend_layerwise_patch.patches import load_failures, pool_metrics, send_integrity, send_shedding
+from ascend_layerwise_patch.patches import load_failures, pool_metrics
+from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity, send_shedding
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR

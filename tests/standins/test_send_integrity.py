@@ -14,7 +14,7 @@ import time
 import pytest
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.patches import send_integrity
+from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity
 from ascend_layerwise_patch.registry import APPLIED, MARKER
 
 from support import PAIR

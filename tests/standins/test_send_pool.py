@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.patches import send_integrity
+from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity
 from ascend_layerwise_patch.registry import APPLIED
 
 from support import PAIR

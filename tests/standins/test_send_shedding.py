@@ -1,5 +1,5 @@
 """Never stall: a layerwise store slower than the model sheds saves instead of pinning the block pool
-(issue 23; ``patches/send_shedding.py``).
+(issue 23; ``patches/mamba_lifetime/send_shedding.py``).
 
 Harness: tests/standins/harness_pool.py's ``PoolInstance`` and its ``soak`` driver (vLLM's real
 Scheduler and KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the
@@ -19,7 +19,7 @@ import time
 import pytest
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.patches import send_integrity, send_shedding
+from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity, send_shedding
 from ascend_layerwise_patch.registry import APPLIED
 
 from support import PAIR

@@ -38,3 +38,9 @@ def test_codes_from_check_reasons():
     assert code("skipped", "version out of range: vllm 0.24.0 is outside") == "range"
     assert code("skipped", "m does not import with the installed versions (e); nothing to patch") == "noimport"
     assert code("failed", "target changed: x") == "failed: target changed: x"
+
+
+def test_the_readme_holds_the_group_list_rendered_from_the_index():
+    es = expected_states()
+    assert [group for group, _package, _what in es.groups()] == list(dict.fromkeys(spec.group for spec in SPECS))
+    assert es.groups_block() in (ROOT / "README.md").read_text(), "run: python scripts/expected_states.py --readme"

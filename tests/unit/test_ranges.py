@@ -35,7 +35,8 @@ def test_ranges(vllm, ascend, admitted):
 # issue 25: vllm-ascend 0.30.0rc2 (on vLLM 0.30.0 / 0.29.0) is admitted by the groups that still have work
 # or a detector there; the release candidates in between are refused by every group, never installed
 from ascend_layerwise_patch.patches import SPECS as ALL_SPECS  # noqa: E402
-from ascend_layerwise_patch.patches import mamba_local_hit, mamba_precopy  # noqa: E402
+from ascend_layerwise_patch.patches import mamba_local_hit
+from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy  # noqa: E402
 
 ON_030 = {s.name for m in (connector_guards, gdn_layerwise, mamba_precopy, postprocess_kernel, mamba_local_hit) for s in m.SPECS}
 

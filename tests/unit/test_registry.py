@@ -16,7 +16,7 @@ import pytest
 
 from ascend_layerwise_patch import registry as reg
 from ascend_layerwise_patch import versions
-from ascend_layerwise_patch.registry import PatchError, PatchSpec, Registry as _Registry
+from ascend_layerwise_patch.registry import Expect, PatchError, PatchSpec, Registry as _Registry
 from ascend_layerwise_patch.host import HOST
 
 _counter = itertools.count()
@@ -223,7 +223,7 @@ def test_two_groups_stack_on_one_target_and_revert_newest_first(pkg):
 
         return replacement
 
-    r = Registry([spec(target, name="a", group="g1", precondition=check), spec(target, name="b", group="g2", factory=times_ten, precondition=check)])
+    r = Registry([spec(target, name="a", group="g1", precondition=check), spec(target, name="b", group="g2", factory=times_ten, precondition=check, after=("a",))])
     r.activate({})
     assert {s for s, _ in states(r).values()} == {reg.APPLIED}, states(r)
     assert seen == [original, original]
@@ -457,3 +457,39 @@ def test_a_context_factory_reads_another_groups_live_state(pkg):
     r.activate({"ASCEND_LAYERWISE_PATCH_SKIP": "other"})
     assert states(r)["q"][0] == reg.SKIPPED and mod.helper(1) == 2  # skipped: the view says so at once
     assert r.context.group_states("nothing") == frozenset()
+
+
+def test_patches_stacked_on_one_target_must_name_the_earlier_ones():
+    mod = "alp_fake_order"  # the order is checked when the registry is built, before any import
+    with pytest.raises(ValueError, match=r"'b' on .*after=\(\), but the earlier patches of that target are \['a'\]"):
+        Registry([spec(mod, name="a", group="g1"), spec(mod, name="b", group="g2")])
+    with pytest.raises(ValueError, match=r"after=\('c',\)"):
+        Registry([spec(mod, name="a", group="g1"), spec(mod, name="b", group="g2", after=("c",))])
+    Registry([spec(mod, name="a", group="g1"), spec(mod, name="b", group="g2", after=("a",))])
+
+
+def test_expects_is_data_checked_before_the_precondition_and_the_risk_is_appended(pkg):
+    mod = pkg[1]("t", TARGET)
+    importlib.import_module(mod)
+    calls = []
+    r = Registry(
+        [
+            spec(
+                mod,
+                name="e",
+                expects=Expect(params=("x", "y")),
+                precondition=lambda o: calls.append(o) or None,
+                risk="what stays unfixed",
+            )
+        ]
+    )
+    r.activate({})
+    try:
+        state, reason = states(r)["e"]
+    finally:
+        r.revert()
+    assert state == reg.FAILED and calls == []
+    assert reason == "target changed: helper parameters are ['x'], expected ['x', 'y']; what stays unfixed"
+    assert Expect(params=("x",), uses=("return",))(sys.modules[mod].helper) is None
+    assert Expect(uses=("no_such_name",))(sys.modules[mod].helper) == "helper no longer uses no_such_name"
+    assert Expect(module_globals=("absent",))(sys.modules[mod].helper) == f"{mod} no longer defines/imports absent"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ascend_layerwise_patch.patches import send_shedding as ss
+from ascend_layerwise_patch.patches.mamba_lifetime import send_shedding as ss
 
 ENV = ss.ENV_BACKLOG
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import functools
 
-from ..kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
-from ._checks import PatchSpec
+from ...kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
+from .._checks import PatchSpec
 
 VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
 VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
@@ -154,7 +154,7 @@ def _v2_caller_passes_out(original) -> str | None:
 @functools.lru_cache(maxsize=None)
 def shared_kernel():
     """The one kernel object both patches install / launch."""
-    from ..kernels.postprocess import PostprocessKernel
+    from ...kernels.postprocess import PostprocessKernel
 
     return PostprocessKernel()
 

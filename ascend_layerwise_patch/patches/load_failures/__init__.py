@@ -90,13 +90,12 @@ import importlib
 import threading
 import time
 
-from .. import pool_events
-from ..host import logger
-from ..registry import APPLIED, PENDING
-from ._targets import STORE
-from ._checks import PatchSpec, with_risk
-from ._checks import expects as _expects
-from ._checks import source as _source
+from ... import pool_events
+from ...host import logger
+from .._targets import STORE
+from .._checks import PatchSpec
+from .._checks import expects as _expects
+from .._checks import source as _source
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"
@@ -632,15 +631,11 @@ def make_policy_check(original, context):
     as a plain function: vllm-ascend calls it through the class (``cls._validate_...``)."""
     check = original.__func__
 
-    def _group_in_force() -> bool:
-        states = context.group_states(GROUP)
-        return bool(states) and states <= {APPLIED, PENDING}
-
     @functools.wraps(check)
     def _validate_kv_load_failure_policy(vllm_config):
         kv = vllm_config.kv_transfer_config
         if kv is not None and getattr(kv, "kv_load_failure_policy", "fail") == "recompute":
-            if getattr(vllm_config.model_config, "is_hybrid", False) and _group_in_force():
+            if getattr(vllm_config.model_config, "is_hybrid", False) and context.in_force(GROUP):
                 return None  # load_failures rolls hybrid requests back
         return check(vllm_config)
 
@@ -794,7 +789,7 @@ _WHY = (
 
 
 def _spec(
-    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK, context=False
+    name: str, target: str, factory, precondition, fixed=_upstream_reports, group=GROUP, aliases=(), why=_WHY, risk=RISK, context=False, after=()
 ) -> PatchSpec:
     return PatchSpec(
         name=name,
@@ -805,9 +800,11 @@ def _spec(
         why=why,
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(precondition, risk),
+        precondition=precondition,
+        risk=risk,
         fixed_upstream=fixed,
         context=context,
+        after=after,
     )
 
 
@@ -836,6 +833,7 @@ SPECS = (
         group=SAVES_GROUP,
         why="the pool keys a request saves in a step whose layerwise load failed are finished as failed, never ready",
         risk="keys computed from unloaded state are published as ready: every later pool hit reads them",
+        after=("mamba_thread_marker",),  # mamba_lifetime's wrapper of this target is applied first
     ),
     _spec(
         "load_fail_drop_later_saves",
@@ -846,6 +844,7 @@ SPECS = (
         group=SAVES_GROUP,
         why="a request whose load failed saves nothing until its rollback reaches the worker (async scheduling)",
         risk="keys computed from unloaded state in the step after the failure are published as ready",
+        after=("mamba_worker_events",),  # mamba_lifetime's wrapper of this target is applied first
     ),
     _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok),
     _spec(
@@ -888,6 +887,7 @@ SPECS = (
         group=ROLLBACK_GROUP,
         why="a request preempted outside schedule() and resumed by the next one keeps its pool-scheduler state",
         risk="the pool scheduler raises on a request preempted after a failed load and resumed",
+        after=("send_shedding",),  # mamba_lifetime's wrapper of this target is applied first
     ),
     # after load_fail_rollback_frames: a group resolves its targets in this order, importing their
     # modules, and production imports vLLM's async_scheduler before vllm-ascend's pool_scheduler (the

@@ -46,9 +46,9 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ._checks import PatchSpec
-from ._checks import param_names as _params
-from ._targets import STATE
+from .._checks import PatchSpec
+from .._checks import param_names as _params
+from .._targets import STATE
 
 VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
 VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"

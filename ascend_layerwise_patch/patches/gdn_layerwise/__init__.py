@@ -42,9 +42,9 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ._checks import PatchSpec
+from .._checks import PatchSpec, expects, source
 from . import mamba_precopy
-from ._targets import STATE
+from .._targets import STATE
 
 VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
 VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
@@ -54,15 +54,12 @@ FENCES = ("vllm_ascend.memcache_comm_fence", "vllm_ascend.distributed.kv_transfe
 QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core"
 
 
-def _precondition(original) -> str | None:
-    import inspect
+#: the target's parameters, and the save it must still make (the wait is added next to it)
+EXPECTS = expects(PARAMS, needs=("maybe_save_kv_layer_to_connector",))
 
-    got = list(inspect.signature(original).parameters)
-    if got != PARAMS:
-        return f"_forward_core parameters are {got}, expected {PARAMS}"
-    source = inspect.getsource(original)
-    if "maybe_save_kv_layer_to_connector" not in source:
-        return "_forward_core no longer saves the layer (maybe_save_kv_layer_to_connector)"
+
+def _precondition(original) -> str | None:
+    """What the layer reaches besides its own method: the wait, the fence, the transfer group."""
     utils = importlib.import_module("vllm_ascend.attention.utils")
     fence = _fence()
     if fence is None:
@@ -89,9 +86,7 @@ def _fence():
 
 
 def _fixed_upstream(original) -> str | None:
-    import inspect
-
-    if "wait_for_kv_layer_from_connector" in inspect.getsource(original):
+    if "wait_for_kv_layer_from_connector" in source(original):
         return "_forward_core already waits for its layer"
     return None
 
@@ -132,6 +127,7 @@ def _spec(name: str, group: str, target: str) -> PatchSpec:
         vllm_ascend=VLLM_ASCEND,
         aliases=(QWEN_GDN,),
         copied_by=("vllm_ascend.patch.worker.patch_qwen3_5",),
+        expects=EXPECTS,
         precondition=_precondition,
         fixed_upstream=_fixed_upstream,
     )

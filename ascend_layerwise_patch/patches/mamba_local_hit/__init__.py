@@ -40,8 +40,8 @@ from __future__ import annotations
 import functools
 import weakref
 
-from ._checks import PatchSpec
-from ._checks import param_names as _params
+from .._checks import PatchSpec
+from .._checks import param_names as _params
 
 VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
 VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"

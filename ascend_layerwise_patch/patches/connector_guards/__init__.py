@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import functools
 
-from ._checks import PatchSpec
-from ._targets import STATE
-from ._checks import copies_in_source
+from .._checks import PatchSpec
+from .._targets import STATE
+from .._checks import copies_in_source
 
 VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
 VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import functools
 
-from .. import pool_events
-from ._checks import PatchSpec, with_risk
-from ._checks import source as _source
-from ._targets import STORE
+from ... import pool_events
+from .._checks import PatchSpec
+from .._checks import source as _source
+from .._targets import STORE
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
@@ -44,7 +44,7 @@ _LAST = "_ascend_layerwise_patch_gauges"  # scheduler half: the gauges last repo
 
 
 def _types():
-    from . import _pool_metrics_types
+    from . import stats_types as _pool_metrics_types
 
     return _pool_metrics_types
 
@@ -171,7 +171,8 @@ SPECS = (
         why="the pool's failure counts and send gauges travel as vLLM connector stats (all TP workers)",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(_get_stats_ok, _RISK),
+        precondition=_get_stats_ok,
+        risk=_RISK,
         fixed_upstream=_defines("get_kv_connector_stats"),
         counters=pool_events.pending,
     ),
@@ -183,7 +184,8 @@ SPECS = (
         why="the same figures in vLLM's periodic KV-transfer log line",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(_classmethod_ok(["cls", "data"], "KVConnectorLogging", _METRICS), _RISK),
+        precondition=_classmethod_ok(["cls", "data"], "KVConnectorLogging", _METRICS),
+        risk=_RISK,
         fixed_upstream=_defines("build_kv_connector_stats"),
     ),
     PatchSpec(
@@ -194,12 +196,10 @@ SPECS = (
         why="vllm:ascend_pool_* counters and gauges on vLLM's /metrics (PrometheusStatLogger)",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(
-            _classmethod_ok(
-                ["cls", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"], "KVConnectorProm", _METRICS
-            ),
-            _RISK,
+        precondition=_classmethod_ok(
+            ["cls", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"], "KVConnectorProm", _METRICS
         ),
+        risk=_RISK,
         fixed_upstream=_defines("build_prom_metrics"),
     ),
 )

@@ -64,13 +64,11 @@ import threading
 import time
 import weakref
 
-from .. import pool_events
-from ..host import logger
-from ..registry import MARKER
-from ._checks import PatchSpec
-from ._targets import STORE
-from ._checks import source as _source
-from ._checks import with_risk
+from ... import pool_events
+from ...host import logger
+from .._checks import PatchSpec, expects
+from .._targets import STORE
+from .._checks import source as _source
 
 # vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
 # sending thread); not declared for it: out of range there, see the README's version table
@@ -229,8 +227,9 @@ def handle(thread, tasks, original):
 
 
 def _copies_tracked(thread) -> bool:
-    """Whether ``send_integrity_copy`` is installed on this thread's class (skipped where fixed upstream)."""
-    return getattr(getattr(type(thread), "_batch_copy_with_limits", None), MARKER, None) == "send_integrity_copy"
+    """Whether ``send_integrity_copy`` is installed on this thread's class (skipped where fixed upstream):
+    the class attribute is one of the replacements :func:`make_batch_copy` made (reverted: it is not)."""
+    return getattr(type(thread), "_batch_copy_with_limits", None) in _COPY_WRAPPERS
 
 
 def check_stuck(worker, now: float | None = None) -> None:
@@ -262,6 +261,10 @@ def check_stuck(worker, now: float | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------- factories
+#: the replacements make_batch_copy built (weak: a reverted one goes with its last reference)
+_COPY_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+
 def make_batch_copy(original):
     @functools.wraps(original)
     def _batch_copy_with_limits(self, gvas, addrs, sizes, direction, *args, **kwargs):
@@ -271,6 +274,7 @@ def make_batch_copy(original):
             ledger.copy_returned(self, res)
         return res
 
+    _COPY_WRAPPERS.add(_batch_copy_with_limits)
     return _batch_copy_with_limits
 
 
@@ -333,11 +337,7 @@ def _copy_fails_fast(_original) -> str | None:
     return None
 
 
-def _shared_ok(original) -> str | None:
-    import inspect
-
-    if list(inspect.signature(original).parameters) != ["self", "task"]:
-        return "build_shared_data parameters changed"
+def _shared_ok(_original) -> str | None:
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import config_data
 
     fields = getattr(config_data.SharedBlockData, "__dataclass_fields__", {})
@@ -346,11 +346,7 @@ def _shared_ok(original) -> str | None:
     return None
 
 
-def _push_work_ok(original) -> str | None:
-    import inspect
-
-    if list(inspect.signature(original).parameters) != ["self"]:
-        return "has_pending_push_work takes more than self"
+def _push_work_ok(_original) -> str | None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if "has_pending_push_work" not in _source(Scheduler.has_requests):
@@ -375,7 +371,8 @@ SPECS = (
         why="a layerwise pool key is finished as written only when every layer slot was written",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(_copy_ok, "pool keys with unwritten layers can be published as ready"),
+        precondition=_copy_ok,
+        risk="pool keys with unwritten layers can be published as ready",
         fixed_upstream=_copy_fails_fast,
         counters=counters,
     ),
@@ -387,7 +384,9 @@ SPECS = (
         why="a queued layer send keeps its own block and GVA arrays when the next step builds its own",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(_shared_ok, "a send still queued after a save timeout copies the next step's blocks"),
+        expects=expects(["self", "task"]),
+        precondition=_shared_ok,
+        risk="a send still queued after a save timeout copies the next step's blocks",
     ),
     PatchSpec(
         name="send_integrity_idle_steps",
@@ -397,7 +396,9 @@ SPECS = (
         why="the engine keeps stepping (no model run) until open layerwise send events are reported",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(_push_work_ok, "blocks held by layerwise sends stay pinned on an idle engine"),
+        expects=expects(["self"]),
+        precondition=_push_work_ok,
+        risk="blocks held by layerwise sends stay pinned on an idle engine",
         fixed_upstream=_push_work_upstream,
     ),
 )

@@ -61,9 +61,9 @@ import inspect
 import os
 from types import SimpleNamespace
 
-from ._checks import PatchSpec
-from ._targets import STORE
-from ._checks import source, with_risk
+from .._checks import PatchSpec
+from .._targets import STORE
+from .._checks import expects, source
 
 # vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
 # sending thread); not declared for it: out of range there, see the README's version table
@@ -233,14 +233,14 @@ def _init_ok(key_method: str):
     return check
 
 
+_PROCESS_EXPECTS = expects(["self", "requests"], globals_=("KVPoolWorker", "get_block_hashes", "block_hash_to_str"))
+
+
 def _process_ok(original) -> str | None:
-    g = original.__globals__
-    absent = [n for n in ("KVPoolWorker", "get_block_hashes", "block_hash_to_str") if n not in g]
-    if absent:
-        return f"{original.__module__} no longer defines/imports {', '.join(absent)}"
-    if list(inspect.signature(original).parameters) != ["self", "requests"]:
-        return "KVPoolWorker.process_layer_data no longer takes (self, requests)"
-    worker_cls = g["KVPoolWorker"]
+    problem = _PROCESS_EXPECTS(original)
+    if problem:
+        return problem
+    worker_cls = original.__globals__["KVPoolWorker"]
     text = source(worker_cls)
     missing = [
         n
@@ -261,7 +261,8 @@ def _spec(name: str, target: str, factory, precondition, why: str) -> PatchSpec:
         why=why,
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(precondition, RISK),
+        precondition=precondition,
+        risk=RISK,
         fixed_upstream=_fixed_upstream,
     )
 

@@ -51,10 +51,10 @@ import functools
 import importlib
 import math
 
-from .. import pool_events
-from ._targets import STORE as POOL
-from ._checks import PatchSpec, expects, source, with_risk
-from ._checks import param_names as _params
+from ... import pool_events
+from .._targets import STORE as POOL
+from .._checks import PatchSpec, expects, source
+from .._checks import param_names as _params
 
 # vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
 # sending thread); not declared for it: out of range there, see the README's version table
@@ -77,9 +77,7 @@ def _hit_precondition(original) -> str | None:
 
 
 def _hit_fixed(original) -> str | None:
-    import inspect
-
-    if "mamba" in inspect.getsource(original):
+    if "mamba" in source(original):
         return "the layerwise hit check already knows mamba groups"
     return None
 
@@ -351,10 +349,9 @@ RESUME_LOAD_SPECS = (
         why="a layerwise pool hit loads only the mamba state it resumes from, not every chunk-end state into the null block",
         vllm=">=0.25.0,<0.26",
         vllm_ascend=">=0.25.1,<0.26",  # 0.26.0rc1: mamba_pool_null_loads does the same
-        precondition=with_risk(
-            _loads_precondition,
-            "every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
-        ),
+        precondition=_loads_precondition,
+        risk="every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
         fixed_upstream=_loads_fixed,
+        after=("mamba_pool_null_loads",),  # its 0.26 twin (same factory); only one is in range on a pair
     ),
 )

@@ -51,11 +51,10 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ._checks import PatchSpec
-from ._targets import STORE
-from ._checks import with_risk
-from ._checks import expects as _expects
-from ._checks import source as _source
+from .._checks import PatchSpec
+from .._targets import STORE
+from .._checks import expects as _expects
+from .._checks import source as _source
 
 # vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
 # sending thread); not declared for it: out of range there, see the README's version table
@@ -241,7 +240,7 @@ def _scheduler_ok(original) -> str | None:
 
 
 
-def _spec(name: str, target: str, factory, precondition, fixed_upstream=_upstream_keys_per_rank) -> PatchSpec:
+def _spec(name: str, target: str, factory, precondition, fixed_upstream=_upstream_keys_per_rank, after=()) -> PatchSpec:
     return PatchSpec(
         name=name,
         group=GROUP,
@@ -250,8 +249,10 @@ def _spec(name: str, target: str, factory, precondition, fixed_upstream=_upstrea
         why="GDN (align-state) groups are keyed, saved and loaded per TP rank in the layerwise pool",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(precondition, RISK),
+        precondition=precondition,
+        risk=RISK,
         fixed_upstream=fixed_upstream,
+        after=after,
     )
 
 
@@ -275,6 +276,7 @@ SPECS = (
         "pool_worker:KVPoolWorker._alloc_gvas_for_save",
         make_alloc,
         _worker_ok(["self", "requests"], needs=(*_SAVE_NEEDS, "batch_alloc", "save_keys")),
+        after=("mamba_pool_no_null_keys",),  # mamba_pool_hit's filter of null blocks wraps it first
     ),
     _spec(
         "gdn_tp_finish",

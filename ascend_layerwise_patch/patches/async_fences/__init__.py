@@ -32,11 +32,10 @@ import importlib
 import textwrap
 import types
 
-from ..host import logger
-from ._checks import PatchSpec
-from ._targets import STORE
-from ._checks import source as _source
-from ._checks import with_risk
+from ...host import logger
+from .._checks import PatchSpec
+from .._targets import STORE
+from .._checks import source as _source
 
 GROUP = "async_fences"
 VLLM = ">=0.25.0,<0.27"
@@ -188,7 +187,8 @@ SPECS = (
         "(vLLM does it for kv_consumer only): a pool-hit load never targets a block the step still writes",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(_precondition, "a kv_producer's pool-hit load can target a block an in-flight step still writes"),
+        precondition=_precondition,
+        risk="a kv_producer's pool-hit load can target a block an in-flight step still writes",
         fixed_upstream=_fixed_upstream,
         counters=counters,
     ),

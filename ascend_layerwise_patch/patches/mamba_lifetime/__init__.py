@@ -60,11 +60,10 @@ import importlib
 import os
 import threading
 
-from ._checks import PatchSpec
-from ._targets import STORE
-from ._checks import expects as _expects
-from ._checks import source as _source
-from ._checks import with_risk
+from .._checks import PatchSpec
+from .._targets import STORE
+from .._checks import expects as _expects
+from .._checks import source as _source
 from . import send_integrity as _integrity
 from . import send_shedding as _shedding
 
@@ -273,7 +272,8 @@ def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
         "thread is done with them, then release them",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(precondition, RISK),
+        precondition=precondition,
+        risk=RISK,
         fixed_upstream=_upstream_reports_layerwise,
     )
 

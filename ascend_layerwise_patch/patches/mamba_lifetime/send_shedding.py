@@ -59,12 +59,11 @@ import re
 import threading
 import time
 
-from .. import pool_events
-from ..host import logger
-from ._checks import PatchSpec
-from ._targets import STORE
-from ._checks import source as _source
-from ._checks import with_risk
+from ... import pool_events
+from ...host import logger
+from .._checks import PatchSpec, expects
+from .._targets import STORE
+from .._checks import source as _source
 
 VLLM = ">=0.25.0,<0.26"
 VLLM_ASCEND = ">=0.25.1,<0.26"  # 0.26.0rc1: its backlog ends in its own fatal assertion (see Versions)
@@ -224,13 +223,6 @@ def make_build_connector_meta(original, frac: float | None | str = "env", max_st
 
 # ----------------------------------------------------------------------------- checks on targets
 def _target_ok(original) -> str | None:
-    import inspect
-
-    params = list(inspect.signature(original).parameters)
-    if params != ["self", "scheduler_output"]:
-        return f"build_connector_meta parameters are {params}"
-    if "touch_sending_mamba_blocks" not in _source(original):
-        return "build_connector_meta no longer calls touch_sending_mamba_blocks before adding a request"
     cls = original.__globals__.get("KVPoolScheduler")
     for name in ("sending_blocks", "sending_events", "sending_event_id", "_block_pool"):
         if name not in _source(cls.__init__):
@@ -261,7 +253,10 @@ SPECS = (
         "of the block pool, instead of pinning the pool",
         vllm=VLLM,
         vllm_ascend=VLLM_ASCEND,
-        precondition=with_risk(_target_ok, "a slow store's send backlog can hold the whole block pool"),
+        # build_connector_meta calls touch_sending_mamba_blocks before adding a request: the admission sits there
+        expects=expects(["self", "scheduler_output"], needs=("touch_sending_mamba_blocks",)),
+        precondition=_target_ok,
+        risk="a slow store's send backlog can hold the whole block pool",
         fixed_upstream=_bounded_upstream,
         counters=counters,
     ),
