@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from support import expected_states
+
 import ascend_layerwise_patch.patches as patches
 
 PATCHES = pathlib.Path(patches.__file__).parent
@@ -15,14 +17,10 @@ NEUTRAL = {"host", "pool_events", "kernels", "kernels.postprocess"}
 
 
 def _index() -> list[tuple[str, str, str]]:
-    lines = patches.__doc__.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["group", "package", "what"])
-    rows = []
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            break
-        group, package, what = line.split(None, 2)
-        rows.append((group, package, what.strip()))
+    """(group, package, what it fixes) per line of the index (scripts/expected_states.py reads it
+    from the source for the README)."""
+    rows = expected_states().groups()
+    assert rows and patches.__doc__.count("\n") > len(rows)  # the module's docstring, not an empty parse
     return rows
 
 
