@@ -18,14 +18,25 @@ carried to the KV-transfer log line):
 - ``tokens_recomputed``: tokens a rolled-back request computes again (load_failures_rollback).
 - ``hits_cut_back``: layerwise pool hit checks moved down to a block where every mamba group's state
   is saved (mamba_pool_hit; counted per hit check: a waiting request may be checked again).
+- ``mamba_state_bytes_loaded``: bytes of mamba-group (GDN state) blocks whose layerwise load copy
+  (pool -> device) returned success (pool_metrics' own load wrappers).
+
+Ages (gauges, seconds; :func:`watch_age`, read by :func:`take`):
+
+- ``oldest_stuck_send_age_seconds``: how long the oldest layer send still in flight past
+  save_kv_layer's wait has been in flight (send_integrity); 0 once none is.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from typing import Callable
 
 _lock = threading.Lock()
 _counts: dict[str, int] = {}
+_ages: dict[str, list[Callable[[], float]]] = {}  # gauge -> start readers of what it watches
+_shown: set[str] = set()  # ages reported non-zero last time: a 0 is still owed once they end
 
 
 def bump(name: str, n: int = 1) -> None:
@@ -43,6 +54,41 @@ def drain() -> dict[str, int] | None:
         out = dict(_counts)
         _counts.clear()
     return out
+
+
+def watch_age(name: str, started: Callable[[], float]) -> None:
+    """Report the gauge ``name`` as ``now - started()`` (the largest of all it watches) at every
+    :func:`take` while ``started()`` is non-zero; a reader that returns 0 (its item ended) is dropped,
+    and once none is left the gauge is reported as 0 once. ``started`` reads live state (monotonic
+    seconds), so an item that ends needs no call here (any thread)."""
+    with _lock:
+        _ages.setdefault(name, []).append(started)
+
+
+def take() -> tuple[dict[str, int], dict[str, float]] | None:
+    """The counts since the last call (then zeroed) and the watched ages now, or ``None`` if there is
+    nothing to report (the per-step path: three truth tests, no lock)."""
+    if not _counts and not _ages and not _shown:
+        return None
+    with _lock:
+        counts = dict(_counts)
+        _counts.clear()
+        gauges: dict[str, float] = {}
+        if _ages or _shown:
+            now = time.monotonic()
+            for name in list(_ages):
+                starts = [(f, f()) for f in _ages[name]]  # each read once: the item may end meanwhile
+                live = [(f, t0) for f, t0 in starts if t0]
+                if live:
+                    _ages[name] = [f for f, _t0 in live]
+                    gauges[name] = round(max(now - t0 for _f, t0 in live), 3)
+                else:
+                    del _ages[name]
+            for name in _shown - gauges.keys():
+                gauges[name] = 0.0
+            _shown.clear()
+            _shown.update(name for name, v in gauges.items() if v)
+    return counts, gauges
 
 
 def pending() -> dict[str, int]:

@@ -50,8 +50,11 @@ COUNTERS = {
     "saves_shed": ("vllm:ascend_pool_saves_shed_total", None),
     "tokens_recomputed": ("vllm:ascend_pool_tokens_recomputed_total", None),
     "hits_cut_back": ("vllm:ascend_pool_hits_cut_back_total", None),
+    "mamba_state_bytes_loaded": ("vllm:ascend_pool_mamba_state_bytes_loaded_total", None),
 }
-GAUGES = ("vllm:ascend_pool_send_held_blocks", "vllm:ascend_pool_send_open_events")
+GAUGES = ("vllm:ascend_pool_send_held_blocks", "vllm:ascend_pool_send_open_events", "vllm:ascend_pool_oldest_stuck_send_age_seconds")
+AGE = "oldest_stuck_send_age_seconds"
+MAMBA = "mamba_state_bytes_loaded"
 
 
 def _activate(on: bool) -> None:
@@ -68,7 +71,7 @@ def _activate(on: bool) -> None:
 
 @pytest.fixture
 def library():
-    pool_events.drain()  # nothing left over from other tests in this process
+    pool_events.take()  # nothing left over from other tests in this process
     yield _activate
     _activate(True)
 
@@ -135,7 +138,22 @@ def _load_fault_run(fault: str | None, evict_gdn: bool = False):
     return b, tap, f, pool
 
 
-ZERO = dict.fromkeys(COUNTERS, 0.0) | {"send_held_blocks": 0.0, "send_open_events": 0.0}
+ZERO = dict.fromkeys(COUNTERS, 0.0) | {"send_held_blocks": 0.0, "send_open_events": 0.0, AGE: 0.0}
+
+
+def _state_bytes(inst: PoolInstance) -> int:
+    """Bytes of one GDN layer's state on one rank (the harness's MambaSpec: conv + ssm state)."""
+    import math
+
+    spec = inst.specs[inst.gdn_layers[0]]
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
+
+
+def _hit_mamba_bytes(inst: PoolInstance, states: int = 1) -> float:
+    """What a pool hit loads of the GDN group: ``states`` states (the one it resumes from: the null
+    blocks of the hit are not loaded, mamba_pool_resume_load / mamba_pool_null_loads) per GDN layer
+    per rank."""
+    return float(states * len(inst.gdn_layers) * inst.tp * _state_bytes(inst))
 
 
 # ------------------------------------------------------------------------------------- v0251
@@ -143,15 +161,23 @@ ZERO = dict.fromkeys(COUNTERS, 0.0) | {"send_held_blocks": 0.0, "send_open_event
 def test_a_clean_run_shows_every_metric_at_zero(library):
     library(True)
     b, tap, _f, _pool = _load_fault_run(None)
-    assert _figures(tap, b) == ZERO
+    got = _figures(tap, b)
+    # B's 32-token hit loaded one GDN state per GDN layer per rank: the only count of a clean run
+    expected = _hit_mamba_bytes(b)
+    print(f"\nclean hit: mamba state bytes expected {expected:.0f}, scraped {got[MAMBA]:.0f}; age {got[AGE]}")
+    assert got == ZERO | {MAMBA: expected}
+    assert _worker_counts(b) == {MAMBA: expected}  # counted by the workers, summed by vLLM's aggregator
     text = _text(tap)
     assert "# HELP vllm:ascend_pool_load_failures_total Layerwise KV pool loads that failed" in text
-    # no count in the log line; at most the send backlog's peak (a step's sends may outlive it: on
-    # 0.25.1rc1 save_kv_layer does not wait for them; on 0.26.0rc1 that depends on the threads' timing)
+    assert "# HELP vllm:ascend_pool_oldest_stuck_send_age_seconds Seconds the oldest" in text
+    assert "# HELP vllm:ascend_pool_mamba_state_bytes_loaded_total Bytes of mamba" in text
+    # the log line: the bytes loaded, and at most the send backlog's peak (a step's sends may outlive
+    # it: on 0.25.1rc1 save_kv_layer does not wait for them; on 0.26.0rc1 that depends on the threads'
+    # timing); no stuck-send age
     lines = tap.log_lines()
-    assert len(lines) <= 1, lines
-    for line in lines:
-        assert [p.split("=")[0] for p in line.split(": ")[1].split(", ")] == ["send_held_blocks_peak", "send_open_events_peak"]
+    assert len(lines) == 1 and f"{MAMBA}={int(expected)}" in lines[0], lines
+    keys = [p.split("=")[0] for p in lines[0].split(": ")[1].split(", ")]
+    assert set(keys) <= {MAMBA, "send_held_blocks_peak", "send_open_events_peak"}, lines
     assert b.outputs["b"] and any(s.kv_connector_stats is None for s in tap.stats)
 
 

@@ -248,6 +248,7 @@ def check_stuck(worker, now: float | None = None) -> None:
     worker.__dict__[_WATCH] = (seq, now)
     if warned_seq != seq:
         _count("stuck_sends_total")
+        pool_events.watch_age("oldest_stuck_send_age_seconds", _stuck_since(ledger, seq))
     item = list(ledger.item or ())  # a snapshot: the thread may clear it meanwhile
     logger().warning(
         "ascend_layerwise_patch: layerwise KV send stuck: tp rank %s, layer %s copy of request(s) %s "
@@ -258,6 +259,11 @@ def check_stuck(worker, now: float | None = None) -> None:
         now - since,
         STUCK_AFTER_S,
     )
+
+
+def _stuck_since(ledger: _Ledger, seq: int):
+    """When item ``seq`` of ``ledger`` began while it is still in flight, else 0.0 (pool_events' age gauge)."""
+    return lambda: ledger.since if ledger.seq == seq else 0.0
 
 
 # ------------------------------------------------------------------------------------- factories

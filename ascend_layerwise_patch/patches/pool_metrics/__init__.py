@@ -35,6 +35,7 @@ from ... import pool_events
 from .._checks import PatchSpec
 from .._checks import source as _source
 from .._targets import STORE
+from . import loads as _loads
 
 VLLM = ">=0.25.0,<0.27"
 VLLM_ASCEND = ">=0.25.1,<0.27"
@@ -73,16 +74,19 @@ def _gauges(self, sched) -> dict[str, int] | None:
 
 def make_get_stats(original):
     # upstream's (KVConnectorBase_V1's) returns None: a step with nothing to report returns None too
-    drain = pool_events.drain
+    take = pool_events.take
 
     @functools.wraps(original)
     def get_kv_connector_stats(self):
-        counts = drain()
+        events = take()  # (counts, ages) or None
         sched = self.__dict__.get("connector_scheduler")
         gauges = _gauges(self, sched) if sched is not None else None
-        if counts is None and gauges is None:
-            return None
-        return _types().AscendPoolStats(data={"counts": counts or {}, "gauges": gauges or {}})
+        if events is None:
+            if gauges is None:
+                return None
+            return _types().AscendPoolStats(data={"counts": {}, "gauges": gauges})
+        counts, ages = events
+        return _types().AscendPoolStats(data={"counts": counts, "gauges": {**ages, **gauges} if gauges else ages})
 
     return get_kv_connector_stats
 
@@ -160,6 +164,7 @@ def _classmethod_ok(params: list[str], caller: str, module: str):
 
 
 _RISK = "the pool's failures stay off /metrics and the KV-transfer log line"
+_RECV = f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread"
 _METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
 
 SPECS = (
@@ -201,5 +206,46 @@ SPECS = (
         ),
         risk=_RISK,
         fixed_upstream=_defines("build_prom_metrics"),
+    ),
+    # worker (loads.py): the mamba state bytes a layer's successful load copy moved. The worker names
+    # its mamba groups to its receiving thread; the thread's wrappers are stacked on load_failures'
+    # (0.25; out of range on 0.26)
+    PatchSpec(
+        name="pool_metrics_mamba_groups",
+        group=GROUP,
+        target=f"{STORE}.pool_worker:KVPoolWorker._build_shared_load_data",
+        factory=_loads.make_build_shared_load,
+        why="the receiving thread learns which KV cache groups hold mamba (GDN) states",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_loads.build_shared_ok,
+        risk=_RISK,
+        fixed_upstream=_defines("get_kv_connector_stats"),
+    ),
+    PatchSpec(
+        name="pool_metrics_mamba_loads",
+        group=GROUP,
+        target=f"{_RECV}._handle_request",
+        factory=_loads.make_recv_handle,
+        why="the mamba state bytes each layerwise load copies from the pool (vllm:ascend_pool_mamba_state_bytes_loaded)",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_loads.handle_ok,
+        risk=_RISK,
+        fixed_upstream=_defines("get_kv_connector_stats"),
+        after=("load_fail_thread",),
+    ),
+    PatchSpec(
+        name="pool_metrics_load_copy",
+        group=GROUP,
+        target=f"{_RECV}._batch_copy_with_limits",
+        factory=_loads.make_batch_copy,
+        why="those bytes are counted only when the layer's load copy returned success",
+        vllm=VLLM,
+        vllm_ascend=VLLM_ASCEND,
+        precondition=_loads.copy_ok,
+        risk=_RISK,
+        fixed_upstream=_defines("get_kv_connector_stats"),
+        after=("load_fail_copy",),
     ),
 )

@@ -12,8 +12,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-#: gauge keys (scheduler side): aggregated by max (one source per engine; over a log interval: the peak)
-GAUGES = ("send_held_blocks", "send_open_events")
+#: gauge keys: aggregated by max (over TP workers, the scheduler; over a log interval: the peak)
+GAUGES = ("send_held_blocks", "send_open_events", "oldest_stuck_send_age_seconds")
 
 #: (counter key or keys -> label value, metric name, help). ``vllm:`` + name, engine label as vLLM's.
 COUNTERS = (
@@ -36,19 +36,27 @@ COUNTERS = (
      "Tokens computed again by requests rolled back after a failed KV pool load."),
     ("hits_cut_back", "vllm:ascend_pool_hits_cut_back",
      "Layerwise pool hit checks cut back to the last block where every mamba group's state is saved."),
+    ("mamba_state_bytes_loaded", "vllm:ascend_pool_mamba_state_bytes_loaded",
+     "Bytes of mamba (GDN state) blocks copied from the KV pool to the device by layerwise loads that "
+     "succeeded, summed over TP workers (each loads its own share)."),
 )
 GAUGE_HELP = {
     "send_held_blocks": ("vllm:ascend_pool_send_held_blocks",
                          "Block references held by open layerwise KV pool send events (scheduler)."),
     "send_open_events": ("vllm:ascend_pool_send_open_events",
                          "Layerwise KV pool send events not yet reported complete by every worker."),
+    "oldest_stuck_send_age_seconds": (
+        "vllm:ascend_pool_oldest_stuck_send_age_seconds",
+        "Seconds the oldest layerwise KV send still in flight past save_kv_layer's wait has been in flight "
+        "(its blocks stay held); max over TP workers; 0 when no send is stuck."),
 }
 
 
 @dataclass
 class AscendPoolStats(KVConnectorStats):
-    """``data``: ``{"counts": {key: int}, "gauges": {key: int}}``. Counts add up (over TP workers and
-    over a log interval); gauges come from the scheduler alone and aggregate by max."""
+    """``data``: ``{"counts": {key: int}, "gauges": {key: number}}``. Counts add up (over TP workers and
+    over a log interval); gauges (the scheduler's send gauges, the workers' stuck-send age) aggregate
+    by max."""
 
     def __post_init__(self):
         self.data.setdefault("counts", {})
@@ -80,7 +88,7 @@ class AscendPoolStats(KVConnectorStats):
 
 
 class AscendPoolPromMetrics(KVConnectorPromMetrics):
-    """One Counter per figure (load failures with a ``kind`` label) and the two send gauges, per engine."""
+    """One Counter per figure (load failures with a ``kind`` label) and the send gauges, per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
