@@ -3,7 +3,9 @@
 Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector
          .AscendStoreConnector.get_kv_connector_stats, and its class methods
          build_kv_connector_stats and build_prom_metrics (all three inherited from vLLM's
-         KVConnectorBase_V1, where they return None).
+         KVConnectorBase_V1, where they return None); for the mamba state bytes loaded (loads.py):
+         pool_worker:KVPoolWorker._build_shared_load_data and the layerwise receiving thread's
+         KVCacheStoreLayerRecvingThread._handle_request / ._batch_copy_with_limits.
 Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases).
 Why      Everything this library catches (failed / raising / late loads, requests rolled back, pool
          keys finished as failed, stuck sends, saves shed, blocks held by open send events) is only
@@ -22,6 +24,10 @@ How      The other groups bump plain counters in ``ascend_layerwise_patch.pool_e
          rebuilds the stats for vLLM's log line (counts summed over the interval, gauges as the
          interval's peak); ``build_prom_metrics`` registers ``vllm:ascend_pool_*`` counters and
          gauges with vLLM's ``model_name`` / ``engine`` labels (the README lists them).
+         Two figures come from the workers themselves: the age of the oldest stuck send (a gauge:
+         send_integrity registers the stuck item with ``pool_events.watch_age``; every drain reads
+         its live start, so it falls to 0 the step after the copy returns; max over TP workers) and
+         the mamba state bytes loaded (a count bumped by loads.py when a layer's load copy returned 0).
          ``ASCEND_LAYERWISE_PATCH_SKIP=pool_metrics`` leaves the three methods as they are.
 Removal  When AscendStoreConnector implements get_kv_connector_stats itself (detected: the group
          then skips itself; its figures would then be upstream's).
