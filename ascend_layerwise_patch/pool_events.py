@@ -36,7 +36,6 @@ from typing import Callable
 _lock = threading.Lock()
 _counts: dict[str, int] = {}
 _ages: dict[str, list[Callable[[], float]]] = {}  # gauge -> start readers of what it watches
-_shown: set[str] = set()  # ages reported non-zero last time: a 0 is still owed once they end
 
 
 def bump(name: str, n: int = 1) -> None:
@@ -67,27 +66,25 @@ def watch_age(name: str, started: Callable[[], float]) -> None:
 
 def take() -> tuple[dict[str, int], dict[str, float]] | None:
     """The counts since the last call (then zeroed) and the watched ages now, or ``None`` if there is
-    nothing to report (the per-step path: three truth tests, no lock)."""
-    if not _counts and not _ages and not _shown:
+    nothing to report (the per-step path: two truth tests, no lock). An age whose readers all ended
+    is reported as 0 once, then forgotten."""
+    if not _counts and not _ages:
         return None
     with _lock:
         counts = dict(_counts)
         _counts.clear()
         gauges: dict[str, float] = {}
-        if _ages or _shown:
+        if _ages:
             now = time.monotonic()
-            for name in list(_ages):
-                starts = [(f, f()) for f in _ages[name]]  # each read once: the item may end meanwhile
+            for name, readers in list(_ages.items()):
+                starts = [(f, f()) for f in readers]  # each read once: the item may end meanwhile
                 live = [(f, t0) for f, t0 in starts if t0]
                 if live:
                     _ages[name] = [f for f, _t0 in live]
                     gauges[name] = round(max(now - t0 for _f, t0 in live), 3)
                 else:
                     del _ages[name]
-            for name in _shown - gauges.keys():
-                gauges[name] = 0.0
-            _shown.clear()
-            _shown.update(name for name, v in gauges.items() if v)
+                    gauges[name] = 0.0
     return counts, gauges
 
 

@@ -7,8 +7,10 @@ tests/standins/harness_pool.py makes them). Per step vLLM calls ``get_kv_connect
 every worker (``KVConnectorModelRunnerMixin``) and once on the scheduler (``update_from_output``);
 upstream's is the base class's ``return None``. Timed: a worker half and the scheduler half with
 nothing to report (the steady state), the scheduler with open send events that did not change
-since the last step, and a step that has counts to report (a fault was counted: builds the stats).
-The bumps themselves sit on fault paths only. The issue's bound: at most 1 us per step.
+since the last step, a step that has counts to report (a fault was counted: builds the stats), a
+step while a stuck send is watched (its age read), and the load path's per-layer cost (the mamba
+state bytes of a layer's load summed, then counted when its copy returned 0; only on layers with a
+load). The bumps themselves sit on fault paths only. The issue's bound: at most 1 us per step.
 """
 
 from __future__ import annotations
@@ -80,6 +82,45 @@ def main() -> int:
     a = [per_call_ns(lambda: base(worker), number // 10) for _ in range(repeat)]
     b = [per_call_ns(step_with_a_count, number // 10) for _ in range(repeat)]
     rows.append(("worker, a step with a count (bump + stats built)", min(a), min(b)))
+
+    # a stuck send is watched (send_integrity): every step reads its start and reports the age (fault path)
+    class _Item:
+        since = 1.0
+
+    item = _Item()
+    pool_events.watch_age("oldest_stuck_send_age_seconds", lambda: item.since)
+    a = [per_call_ns(lambda: base(worker), number // 10) for _ in range(repeat)]
+    b = [per_call_ns(lambda: ours(worker), number // 10) for _ in range(repeat)]
+    rows.append(("worker, a stuck send watched (age read + stats built)", min(a), min(b)))
+    item.since = 0.0
+    ours(worker), ours(worker)  # dropped, its 0 reported: back to the steady state
+
+    # the load path (per layer with a load, worker's receiving thread): mamba bytes summed before the
+    # copy, counted after it; one GDN task + one attention task per layer, as a hybrid step has
+    import types
+
+    import numpy as np
+    from ascend_layerwise_patch.patches.pool_metrics import loads
+
+    thread = types.SimpleNamespace()
+    thread.__dict__[loads._MAMBA] = frozenset({0})
+    thread.__dict__[loads._BLOCK] = {(0, 0): 176}
+    shared = types.SimpleNamespace(block_ids_arr=np.arange(1, 3))
+    tasks = [types.SimpleNamespace(group_id=g, shared_block_data=shared, layer_idx_in_group=0) for g in (0, 1)]
+    data = types.SimpleNamespace(transfer_tasks=tasks)
+    copy = loads.make_batch_copy(lambda self, *a: 0)
+
+    def handle_base(self, data):
+        return None
+
+    def handle_copy(self, data):
+        return copy(self, None, None, None, 1, 0, 0)
+
+    handle = loads.make_recv_handle(handle_copy)
+    a = [per_call_ns(lambda: handle_base(thread, data), number // 10) for _ in range(repeat)]
+    b = [per_call_ns(lambda: handle(thread, data), number // 10) for _ in range(repeat)]
+    rows.append(("worker, one layer's load (mamba bytes summed + counted)", min(a), min(b)))
+    pool_events.drain()
 
     width = max(len(r[0]) for r in rows)
     print(f"{'case'.ljust(width)}  upstream ns  patched ns  added ns  ratio")
