@@ -286,6 +286,14 @@ def test_slow_sends_shed_saves_as_counted_by_the_bound(library, monkeypatch):
     fault = slow_store(pool, seed=0)
     soak(inst, seed=0, deadline_s=30.0, on_finished=lambda _i: fault.gate.set(), requests=12, prompt=(20, 200), output=(1, 3))
     assert not inst.has_work()
+    # the loop stopped with a shed save's copy still in flight (no open event keeps it stepping): the
+    # age gauge, like every vLLM stats figure, moves on engine steps. Once the copies returned, one
+    # more request's steps report the age as 0.
+    deadline = time.monotonic() + 10.0
+    while any(ledger.since for ledger in list(send_integrity._ledgers)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    inst.add_request("after", list(range(9000, 9005)), max_tokens=1)
+    engine_loop(inst)
     got = _figures(tap, inst)
     shed = send_shedding.counters()["shed_saves"] - shed0
     stuck = send_integrity.counters()["stuck_sends_total"] - stuck0

@@ -262,8 +262,9 @@ def check_stuck(worker, now: float | None = None) -> None:
 
 
 def _stuck_since(ledger: _Ledger, seq: int):
-    """When item ``seq`` of ``ledger`` began while it is still in flight, else 0.0 (pool_events' age gauge)."""
-    return lambda: ledger.since if ledger.seq == seq else 0.0
+    """When item ``seq`` of ``ledger`` began while its copy is still in flight, else 0.0 (pool_events'
+    age gauge; ``copied`` is set as the copy returns, before the thread reports the send complete)."""
+    return lambda: ledger.since if ledger.seq == seq and not ledger.copied else 0.0
 
 
 # ------------------------------------------------------------------------------------- factories
