@@ -36,6 +36,11 @@ from typing import Callable
 _lock = threading.Lock()
 _counts: dict[str, int] = {}
 _ages: dict[str, list[Callable[[], float]]] = {}  # gauge -> start readers of what it watches
+_zeros: dict[str, int] = {}  # gauge whose readers all ended -> takes left that still report its 0
+
+#: an ended age is reported as 0 by this many takes: a take earlier in the same step (another TP rank
+#: or the scheduler in this process) may have reported it live, and vLLM aggregates gauges by max
+ZERO_TAKES = 8
 
 
 def bump(name: str, n: int = 1) -> None:
@@ -58,8 +63,9 @@ def drain() -> dict[str, int] | None:
 def watch_age(name: str, started: Callable[[], float]) -> None:
     """Report the gauge ``name`` as ``now - started()`` (the largest of all it watches) at every
     :func:`take` while ``started()`` is non-zero; a reader that returns 0 (its item ended) is dropped,
-    and once none is left the gauge is reported as 0 once. ``started`` reads live state (monotonic
-    seconds), so an item that ends needs no call here (any thread)."""
+    and once none is left the gauge is reported as 0. ``started`` reads live state (monotonic
+    seconds), so an item that ends needs no call here (any thread). Once none is left, the gauge is
+    reported as 0 by the next ``ZERO_TAKES`` takes (see there)."""
     with _lock:
         _ages.setdefault(name, []).append(started)
 
@@ -67,7 +73,7 @@ def watch_age(name: str, started: Callable[[], float]) -> None:
 def take() -> tuple[dict[str, int], dict[str, float]] | None:
     """The counts since the last call (then zeroed) and the watched ages now, or ``None`` if there is
     nothing to report (the per-step path: two truth tests, no lock). An age whose readers all ended
-    is reported as 0 once, then forgotten."""
+    is reported as 0 by the next ``ZERO_TAKES`` takes, then forgotten."""
     if not _counts and not _ages:
         return None
     with _lock:
@@ -81,10 +87,16 @@ def take() -> tuple[dict[str, int], dict[str, float]] | None:
                 live = [(f, t0) for f, t0 in starts if t0]
                 if live:
                     _ages[name] = [f for f, _t0 in live]
+                    _zeros.pop(name, None)
                     gauges[name] = round(max(now - t0 for _f, t0 in live), 3)
+                    continue
+                gauges[name] = 0.0
+                left = _zeros.get(name, ZERO_TAKES) - 1
+                if left > 0:
+                    _ages[name], _zeros[name] = [], left
                 else:
                     del _ages[name]
-                    gauges[name] = 0.0
+                    _zeros.pop(name, None)
     return counts, gauges
 
 
