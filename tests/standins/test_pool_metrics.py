@@ -159,7 +159,7 @@ def test_a_clean_run_shows_every_metric_at_zero(library):
 @pytest.mark.parametrize("fault,kind", [("error", "load_failed"), ("raise", "load_raised"), ("gate", "load_late")])
 def test_a_failed_load_is_counted_by_kind_with_its_rollback(library, monkeypatch, fault, kind):
     library(True)
-    monkeypatch.setattr(load_failures, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
+    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
     b, tap, f, pool = _load_fault_run(fault)
     assert f.hits == 1
     got = _figures(tap, b)
