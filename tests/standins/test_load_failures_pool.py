@@ -156,7 +156,7 @@ class Run:
 @pytest.mark.parametrize("fault", ["error", "raise", "gate", "evict"])
 def test_failed_step_saves_are_never_published(library, expected, monkeypatch, fault, scheduling):
     library("on")
-    monkeypatch.setattr(load_failures, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
+    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
     run = Run(fault, scheduling=scheduling)
     sfx = "_async" if scheduling == "async" else ""
     assert run.fault is None or run.fault.hits == 1

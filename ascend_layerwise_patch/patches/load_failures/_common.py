@@ -24,7 +24,6 @@ ROLLBACK_GROUP = "load_failures_rollback"  # recompute = evict + preempt (own gr
 SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
 
 
-WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source)
 
 
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"

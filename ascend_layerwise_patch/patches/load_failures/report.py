@@ -13,7 +13,10 @@ from ...host import logger
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
-from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, _TAINTED, WAIT_S, _as_scheduled, _spec
+from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, _TAINTED, _as_scheduled, _spec
+
+
+WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
 
 
 class _Recv:
