@@ -24,7 +24,6 @@ import pytest
 import ascend_layerwise_patch
 from ascend_layerwise_patch import pool_events
 from ascend_layerwise_patch.patches import load_failures, pool_metrics
-from ascend_layerwise_patch.patches.load_failures import report as _load_report  # noqa: F401 (load_failures.report)
 from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity, send_shedding
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
