@@ -173,84 +173,65 @@ _RISK = "the pool's failures stay off /metrics and the KV-transfer log line"
 _RECV = f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread"
 _METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
 
+def _spec(**fields) -> PatchSpec:
+    """A spec of this group: its ranges and its risk."""
+    return PatchSpec(group=GROUP, vllm=VLLM, vllm_ascend=VLLM_ASCEND, risk=_RISK, **fields)
+
+
 SPECS = (
-    PatchSpec(
+    _spec(
         name="pool_metrics_stats",
-        group=GROUP,
         target=f"{CONNECTOR}.get_kv_connector_stats",
         factory=make_get_stats,
         why="the pool's failure counts and send gauges travel as vLLM connector stats (all TP workers)",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_get_stats_ok,
-        risk=_RISK,
         fixed_upstream=_defines("get_kv_connector_stats"),
         counters=pool_events.pending,
     ),
-    PatchSpec(
+    _spec(
         name="pool_metrics_log",
-        group=GROUP,
         target=f"{CONNECTOR}.build_kv_connector_stats",
         factory=make_build_stats,
         why="the same figures in vLLM's periodic KV-transfer log line",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_classmethod_ok(["cls", "data"], "KVConnectorLogging", _METRICS),
-        risk=_RISK,
         fixed_upstream=_defines("build_kv_connector_stats"),
     ),
-    PatchSpec(
+    _spec(
         name="pool_metrics_prom",
-        group=GROUP,
         target=f"{CONNECTOR}.build_prom_metrics",
         factory=make_build_prom,
         why="vllm:ascend_pool_* counters and gauges on vLLM's /metrics (PrometheusStatLogger)",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_classmethod_ok(
             ["cls", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"], "KVConnectorProm", _METRICS
         ),
-        risk=_RISK,
         fixed_upstream=_defines("build_prom_metrics"),
     ),
     # worker (loads.py): the mamba state bytes a layer's successful load copy moved. The worker names
     # its mamba groups to its receiving thread; the thread's wrappers are stacked on load_failures'
     # (0.25; out of range on 0.26)
-    PatchSpec(
+    _spec(
         name="pool_metrics_mamba_groups",
-        group=GROUP,
         target=f"{STORE}.pool_worker:KVPoolWorker._build_shared_load_data",
         factory=_loads.make_build_shared_load,
         why="the receiving thread learns which KV cache groups hold mamba (GDN) states",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_loads.build_shared_ok,
-        risk=_RISK,
         fixed_upstream=_defines("get_kv_connector_stats"),
     ),
-    PatchSpec(
+    _spec(
         name="pool_metrics_mamba_loads",
-        group=GROUP,
         target=f"{_RECV}._handle_request",
         factory=_loads.make_recv_handle,
         why="the mamba state bytes each layerwise load copies from the pool (vllm:ascend_pool_mamba_state_bytes_loaded)",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_loads.handle_ok,
-        risk=_RISK,
         fixed_upstream=_defines("get_kv_connector_stats"),
         after=("load_fail_thread",),
     ),
-    PatchSpec(
+    _spec(
         name="pool_metrics_load_copy",
-        group=GROUP,
         target=f"{_RECV}._batch_copy_with_limits",
         factory=_loads.make_batch_copy,
         why="those bytes are counted only when the layer's load copy returned success",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_loads.copy_ok,
-        risk=_RISK,
         fixed_upstream=_defines("get_kv_connector_stats"),
         after=("load_fail_copy",),
     ),
