@@ -20,7 +20,12 @@ What the service does, as MemCache's GVA API is used by the layerwise path:
 
 Faults (:meth:`PoolService.add_fault`): a copy whose keys match can return an error, raise, or
 block on a gate (bounded by ``GATE_LIMIT_S``), in either direction, once or every time; a ``delay``
-fault makes it slow (it succeeds after ``delay()`` seconds, or when its gate opens).
+fault makes it slow (it succeeds after ``delay()`` seconds, or when its gate opens). ``at`` narrows
+a fault to ranges of the key (``at(key, offset, blob size)``: e.g. one layer slot).
+
+Observers (``PoolService.observers``): called with every copy's ranges (key, offset, host address,
+size) once its faults let it run -- when it would read the host memory (harness_pool's
+``BlockOwners`` checks there which request owns each block a save copy reads).
 
 Records, per key: every write (offset, size, time, ok), the finish (result, time), so tests can ask
 which layer slots were written before the key became ready (:meth:`PoolService.written_slots`).

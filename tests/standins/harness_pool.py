@@ -1496,6 +1496,8 @@ class Lifetime:
         the sending threads to go quiet (a send the engine no longer steps for still copies)."""
         self.open_all_gates()
         engine_loop(self.inst, max_steps=max_steps)
+        if not self.cs.sending_events:  # every send reported (the library keeps the loop going until then)
+            return
         deadline = time.monotonic() + GATE_LIMIT_S
         threads = [r.connector.connector_worker.kv_send_thread for r in self.inst.ranks]
         while any(t.request_queue.qsize() for t in threads) and time.monotonic() < deadline:
@@ -1559,7 +1561,8 @@ def make_lifetime(*, tp: int = 1, num_blocks: int = 16, chunk: int = 8, seed_ski
         kv_role="kv_producer",
         max_num_batched_tokens=64,
         long_prefill_token_threshold=chunk,
-        max_model_len=24 if num_blocks < 10 else 28,
+        # as long as the cache allows (vLLM checks it); 128 as test_send_pool's instances (one model config)
+        max_model_len=24 if num_blocks < 10 else 28 if num_blocks < 48 else 128,
     )
     inst.scale_save_wait()
     return Lifetime(inst, seed_skip_touch=seed_skip_touch)
