@@ -24,13 +24,15 @@ from ascend_layerwise_patch.registry import APPLIED, FAILED, MARKER, Registry
 
 from support import PAIR, ROOT, run_python
 
-#: Not v0250 (vLLM 0.25.0 + vllm-ascend 0.25.1rc1): no engine with the AscendStore pool can be built
-#: there for a hybrid model -- vllm-ascend's KV cache coordinator patch passes vLLM 0.25.0's managers
-#: an argument they do not take (``needs_kv_cache_zeroing``), its KVPoolScheduler / KVPoolWorker
-#: ``__init__`` read ``cache_config.prefix_match_unit`` (absent in vLLM 0.25.0) and ``ops.gdn`` does not
-#: import. Only a harness that stands in for those (the older fake scheduler loop with hand-built
-#: connector halves) ran there; the group's state on v0250 is checked in test_check.py.
-PAIRS = ("v0251", "v0260")
+PAIRS = ("v0251", "v0250", "v0260")
+#: The pairs of the harness tests. Not v0250 (vLLM 0.25.0 + vllm-ascend 0.25.1rc1): no engine with
+#: the AscendStore pool can be built there for a hybrid model -- vllm-ascend's KV cache coordinator
+#: patch passes vLLM 0.25.0's managers an argument they do not take (``needs_kv_cache_zeroing``), its
+#: KVPoolScheduler / KVPoolWorker ``__init__`` read ``cache_config.prefix_match_unit`` (absent in vLLM
+#: 0.25.0) and ``ops.gdn`` does not import. Only a harness standing in for those (the older fake
+#: scheduler loop with hand-built connector halves) ran there. On v0250 the registry tests below run
+#: and test_check.py checks the group's state.
+POOL_PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
@@ -171,6 +173,7 @@ def _workload(h: Lifetime, n: int) -> None:
     h.drain()
 
 
+@pytest.mark.pairs(*POOL_PAIRS)
 def test_unpatched_leaks(unpatched):
     """vllm-ascend 0.25.1rc1 as released: touched mamba blocks are never released in layerwise mode."""
     leaks = {}
@@ -187,6 +190,7 @@ def test_unpatched_leaks(unpatched):
     assert 0 < leaks[10] < leaks[20]
 
 
+@pytest.mark.pairs(*POOL_PAIRS)
 def test_patched_no_leak(patched):
     for tp in (1, 2):
         h = make_lifetime(tp=tp, num_blocks=256)
@@ -317,6 +321,7 @@ _INSTANCES: dict[tuple[int, int], Lifetime] = {}
 _EXAMPLES = itertools.count()
 
 
+@pytest.mark.pairs(*POOL_PAIRS)
 @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(tp=st.sampled_from([1, 2]), chunk=st.sampled_from([4, 8, 12]), steps=st.lists(_STEP, min_size=1, max_size=10))
 def test_randomized_schedules(patched, tp, chunk, steps):
