@@ -42,7 +42,6 @@ def main() -> int:
     import ascend_layerwise_patch as alp
     import harness_pool as hp
     from ascend_layerwise_patch import pool_events
-    from vllm.v1.core.block_pool import BlockPool
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import ascend_store_connector
 
     alp.REGISTRY.apply_pending()
@@ -53,9 +52,7 @@ def main() -> int:
 
     worker = object.__new__(conn_cls)  # __init__ needs a VllmConfig with a model and a store client
     worker.connector_scheduler = None
-    sched = object.__new__(conn_cls)
-    sched.connector_scheduler = hp.make_scheduler(BlockPool(64, enable_caching=False, hash_block_size=hp.BS), 1)
-    sched.connector_scheduler.use_layerwise = True
+    sched = hp.PoolInstance(hp.make_pool()).scheduler.connector  # AscendStoreConnector, scheduler role (layerwise)
 
     def step_with_a_count():
         pool_events.bump("load_failed")

@@ -50,7 +50,6 @@ def main() -> int:
     import ascend_layerwise_patch as alp
     import harness_pool as hp
     from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity
-    from vllm.v1.core.block_pool import BlockPool
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import ascend_store_connector, pool_worker
 
     alp.REGISTRY.apply_pending()
@@ -60,17 +59,13 @@ def main() -> int:
     conn_cls = ascend_store_connector.AscendStoreConnector
     ours = conn_cls.has_pending_push_work
     base = ours.__wrapped__
-    conn = object.__new__(conn_cls)  # __init__ needs a VllmConfig with a model and a store client
-    conn.connector_scheduler = hp.make_scheduler(BlockPool(64, enable_caching=False, hash_block_size=hp.BS), 1)
-    compare("scheduler: has_pending_push_work, no open send event", lambda: base(conn), lambda: ours(conn), number, repeat, rows)
-    conn.connector_scheduler.sending_events.update({7: 0, 8: 0})
-    compare("scheduler: has_pending_push_work, open events (idle steps)", lambda: base(conn), lambda: ours(conn), number, repeat, rows)
-
-    # ---- the same through vLLM's real Scheduler.has_requests() (what EngineCoreProc.has_work() and
-    # EngineCore.step() call), no request left: the only scheduler path this change adds to
     inst = hp.PoolInstance(hp.make_pool())
     sched = inst.scheduler
-    cs = sched.connector.connector_scheduler
+    conn = sched.connector  # the instance's AscendStoreConnector, scheduler role
+    cs = conn.connector_scheduler
+
+    # ---- through vLLM's real Scheduler.has_requests() (what EngineCoreProc.has_work() and
+    # EngineCore.step() call), no request left: the only scheduler path this change adds to
 
     for label, events in (("no open send event", {}), ("open events (idle steps)", {1: 0})):
         cs.sending_events.clear()
@@ -84,9 +79,14 @@ def main() -> int:
         rows.append((f"scheduler: Scheduler.has_requests(), {label}", min(a), min(b)))
     cs.sending_events.clear()
 
+    # ---- the connector method itself (after the above: the open events it is given never complete)
+    compare("scheduler: has_pending_push_work, no open send event", lambda: base(conn), lambda: ours(conn), number, repeat, rows)
+    cs.sending_events.update({7: 0, 8: 0})
+    compare("scheduler: has_pending_push_work, open events (idle steps)", lambda: base(conn), lambda: ours(conn), number, repeat, rows)
+    cs.sending_events.clear()
+
     # ---- worker side
-    h = hp.Harness(tp=1, num_blocks=64)
-    w = h.workers[0]
+    w = inst.ranks[0].connector.connector_worker  # TP rank 0's KVPoolWorker, its sending thread started
     save, save0 = pool_worker.KVPoolWorker.save_kv_layer, pool_worker.KVPoolWorker.save_kv_layer.__wrapped__
     meta0 = pool_worker.KVPoolWorker.build_connector_worker_meta.__wrapped__
     meta = pool_worker.KVPoolWorker.build_connector_worker_meta
@@ -125,7 +125,6 @@ def main() -> int:
         rows,
     )
     ledger.end()
-    h.close()
 
     width = max(len(r[0]) for r in rows)
     print(f"{'case'.ljust(width)}  unpatched ns  patched ns  added ns")

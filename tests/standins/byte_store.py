@@ -20,7 +20,12 @@ What the service does, as MemCache's GVA API is used by the layerwise path:
 
 Faults (:meth:`PoolService.add_fault`): a copy whose keys match can return an error, raise, or
 block on a gate (bounded by ``GATE_LIMIT_S``), in either direction, once or every time; a ``delay``
-fault makes it slow (it succeeds after ``delay()`` seconds, or when its gate opens).
+fault makes it slow (it succeeds after ``delay()`` seconds, or when its gate opens). ``at`` narrows
+a fault to ranges of the key (``at(key, offset, blob size)``: e.g. one layer slot).
+
+Observers (``PoolService.observers``): called with every copy's ranges (key, offset, host address,
+size) once its faults let it run -- when it would read the host memory (harness_pool's
+``BlockOwners`` checks there which request owns each block a save copy reads).
 
 Records, per key: every write (offset, size, time, ok), the finish (result, time), so tests can ask
 which layer slots were written before the key became ready (:meth:`PoolService.written_slots`).
@@ -69,6 +74,14 @@ class Fault:
     gate: threading.Event = field(default_factory=threading.Event)
     hits: int = 0
     delay: Callable[[], float] | None = None  # kind "delay": seconds the copy takes (cut short by the gate)
+    #: narrows ``match`` to ranges: ``at(key, offset, blob size)`` for each range the copy touches
+    #: (e.g. one layer slot of a key); None: the whole key
+    at: Callable[[str, int, int], bool] | None = None
+
+    def hits_copy(self, targets) -> bool:
+        if self.at is None:
+            return any(self.match(k) for k in dict.fromkeys(b.key for b, *_ in targets))
+        return any(self.match(b.key) and self.at(b.key, off, len(b.data)) for b, off, *_ in targets)
 
 
 @dataclass
@@ -105,15 +118,18 @@ class PoolService:
         self.bytes = {L2G: 0, G2L: 0}
         self.key_bytes: dict[int, dict[str, int]] = {L2G: {}, G2L: {}}  # bytes copied per key and direction
         self.copy_log: list[tuple[int, tuple[str, ...], int]] = []  # (direction, keys, result)
+        #: ``observer(direction, [(key, offset, host addr, size)])`` for every copy, once its faults
+        #: let it run (after a gate or delay, before an injected error or raise): what it touches
+        self.observers: list[Callable] = []
 
     # ------------------------------------------------------------------ harness side
     def register_region(self, ptr: int, size: int) -> None:
         with self.lock:
             self.regions.append((int(ptr), int(size)))
 
-    def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None, delay=None) -> Fault:
+    def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None, delay=None, at=None) -> Fault:
         assert kind in ("error", "raise", "gate", "delay") and (kind == "delay") == (delay is not None), kind
-        fault = Fault(kind, direction, match or (lambda key: True), times, delay=delay)
+        fault = Fault(kind, direction, match or (lambda key: True), times, delay=delay, at=at)
         with self.lock:
             self.faults.append(fault)
         return fault
@@ -223,7 +239,7 @@ class PoolService:
                 for f in self.faults
                 if (f.direction is None or f.direction == direction)
                 and (f.times is None or f.hits < f.times)
-                and any(f.match(k) for k in keys)
+                and f.hits_copy(targets)
             ]
             for f in faults:
                 f.hits += 1
@@ -232,6 +248,8 @@ class PoolService:
                 f.gate.wait(GATE_LIMIT_S)
             elif f.kind == "delay":  # a slow store: the copy succeeds after delay() s (or once the gate opens)
                 f.gate.wait(min(f.delay(), GATE_LIMIT_S))
+        for observe in list(self.observers):
+            observe(direction, [(b.key, off, addr, size) for b, off, addr, size in targets])
         kinds = {f.kind for f in faults}
         if "raise" in kinds:
             self._log(direction, keys, -2)

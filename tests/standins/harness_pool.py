@@ -1,76 +1,92 @@
-"""The pool harness: vLLM + vllm-ascend's layerwise KV pool on real objects, on a CPU.
+"""The pool harness: vLLM + vllm-ascend's layerwise KV pool on real objects, on a CPU (one harness).
 
-Two drivers live here:
-- :class:`PoolInstance` (second half of this file, with :func:`make_pool`, :func:`engine_loop`,
-  :class:`GDNRead`): the project's pool harness. vLLM's real ``Scheduler`` / KVCacheManager in
-  mamba align mode, the AscendStore connector's halves from ``KVConnectorFactory``, TP ranks as
-  worker halves in one process, the real layer threads, ``execute_model``'s order replayed, a
-  byte-level MemCache (``byte_store``). Its own docstring block says what is stood in for.
-- :class:`Harness` (below): the older block-lifetime driver, kept for test_mamba_lifetime.py.
+:class:`PoolInstance` is one vLLM instance (scheduler + TP worker ranks) attached to a byte-level
+MemCache pool (``byte_store``); :func:`make_pool`, :func:`engine_loop` (EngineCoreProc's loop) and
+:class:`GDNRead` (what each layer read) go with it, and further sections add drivers on top of it:
+:func:`soak` / :func:`slow_store` (liveness under a slow store), :class:`InFlightWrites` /
+:class:`DelayedUploads` (async scheduling), :class:`StatsTap` (connector stats), and
+:class:`Lifetime` / :class:`BlockOwners` (block lifetime under layerwise sends: which request's
+block each save copy reads, copies held at a gate, failing or raising).
 
-The rest of this docstring describes :class:`Harness`.
+Usage:
 
-CPU harness for the lifetime of blocks read by vllm-ascend's layerwise KV pool sends.
+  pool = make_pool()                                   # a byte-level MemCache pool (byte_store)
+  a = PoolInstance(pool, name="A")                     # one vLLM instance attached to it
+  a.add_request("a", prompt); engine_loop(a)           # EngineCoreProc's loop
+  b = PoolInstance(pool, name="B")                     # a second instance, same pool
+  ...; b.wrong_reads("b")                              # what each GDN layer read, right or not
 
-Real objects: vLLM's ``BlockPool``, ``Request``, ``SchedulerOutput`` / ``NewRequestData`` /
-``CachedRequestData`` / ``KVConnectorOutput``; vllm-ascend's ``KVPoolScheduler`` and ``KVPoolWorker``
-methods (``build_connector_meta``, ``update_state_after_alloc``, ``touch_sending_mamba_blocks``,
-``update_connector_output``, ``request_finished_all_groups``; ``start_load_kv`` with the real
-``process_layer_data``, ``save_kv_layer``, ``get_finished``, ``build_connector_worker_meta``),
-its ``ChunkedTokenDatabase``, ``LayerBatchBuilder`` s and a started ``KVCacheStoreLayerSendingThread``.
+Real: vLLM's ``Scheduler`` (``scheduler_config.get_scheduler_cls()``) with its KVCacheManager /
+HybridKVCacheCoordinator in mamba ``align`` mode, with vllm-ascend's process-wide patches applied
+as its platform plugin applies them (``load_general_plugins`` + ``pre_register_and_update`` ->
+``adapt_patch(is_global_patch=True)``; the worker patches as its NPU worker applies them,
+``adapt_patch()``); the AscendStore connector's scheduler and worker halves made by vLLM's
+``KVConnectorFactory`` from a ``kv_transfer_config`` (use_layerwise, MemCache backend), the
+worker's ``register_kv_caches`` and the layer sending / receiving threads it starts; vLLM's
+``KVOutputAggregator``; ``NPUModelRunner.execute_model``'s order replayed with the functions
+looked up where it looks them up (``handle_preemptions``, ``mamba_utils.preprocess_mamba``,
+``NPUModelRunner.maybe_get_kv_connector_output`` / ``kv_connector_no_forward``,
+``mamba_utils.do_mamba_copy_block``), each GDN layer entered through its (patched or not)
+``AscendGatedDeltaNetAttention._forward_core`` and saved by ``ops.gdn``'s
+``maybe_save_kv_layer_to_connector``, each attention layer through vLLM's
+``maybe_transfer_kv_layer``.
 
 Stood in for, and why:
-- ``KVPoolScheduler`` / ``KVPoolWorker`` are made with ``object.__new__`` plus the attributes the
-  methods above read: their ``__init__`` needs a full ``VllmConfig`` with a model config, a
-  MemCache client and an NPU. The values are those of a 4-layer GDN hybrid (3 linear-attention
-  layers in a mamba group, 1 full-attention layer last), block size 4 tokens in every group.
-- MemCache is :class:`Backend`: ``batch_alloc`` hands out GVAs and remembers their keys,
-  ``batch_copy`` "reads" each block and checks it (see below), and can be slowed (blocked on a gate
-  the test opens later), made to fail (non-zero result) or to raise.
-- ``torch.npu.Event`` (``sync_save_events``) is a no-op: the "forward" here is synchronous.
-- The worker's ``layer_save_finished_events`` are :class:`ScaledEvent` s, so that
-  ``save_kv_layer``'s 10 s wait lasts 10 s x ``TIME_SCALE``; everything else is untouched.
-- The harness plays vLLM's ``Scheduler`` / ``KVCacheManager`` with the real ``BlockPool``: blocks
-  are allocated and freed in the same order, and a mamba group in ``align`` mode is emulated by
-  freeing a request's older state blocks as it advances (keeping the last one it resumes from).
-
-The check (use-after-free detector): every block allocated to a request is marked with that
-request's id; ``Backend.batch_copy`` maps each GVA back to its key, the key to the block hash, the
-hash to the request that owns it, and then compares with the mark on the block it reads. A foreign
-mark is a use-after-free (the block was freed and handed to another request mid-send); a block
-with ``ref_cnt == 0`` is a read of a free block (about to be reused). Null blocks (id 0) are skipped.
+- the model config is a tiny Qwen3-Next (``config.json`` in a temp dir, no weights, no hub);
+  vLLM's model inspection subprocess gets the CPU stand-ins through a ``sitecustomize``;
+- the KV cache specs are the harness's (``block_size`` tokens in every group, small states, the
+  mamba page padded to the attention page): vllm-ascend's platform forces 128-token attention
+  blocks for this model; the scheduler's block size is set the way EngineCore sets it (min of
+  the groups' block sizes);
+- MemCache: ``byte_store`` (real bytes, bounds-checked, faults, per-key write records);
+- the NPU batch-copy kernel (``mamba_utils.batch_memcpy``, a Triton launcher on NPU): host
+  ``memmove`` of the same (src, dst, size) rows, bounds-checked against the cache tensors;
+- the NPU caches: host tensors laid out as vLLM lays out shared hybrid pages (one raw tensor per
+  ``KVCacheTensor``, attention K/V and mamba conv/SSM views with the page as block stride);
+- one process per TP rank: each rank's worker half is built while vllm-ascend's pool worker and
+  MemCache backend see that rank's parallel state; each rank's step runs with its connector as
+  the process's transfer group;
+- the model's compute: a GDN layer "computes" when the original ``_forward_core`` first reads its
+  state (``self.kv_cache[1]``): the harness records what the state block of each request holds
+  (a :class:`GDNRead`), writes the state after this step's tokens, and stops the original there
+  (the NPU kernels that follow cannot run on a CPU). Attention layers check their computed blocks
+  and write the new ones the same way. Every state / KV block value names its content: "the
+  state of layer L (TP slice R) after the first t tokens of this token sequence"
+  (:func:`state_value`); a wrong read propagates (the layer writes a value derived from what it
+  read), as a real model would compute on.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import ctypes as _ctypes
+import hashlib as _hashlib
 import itertools
+import json as _json
+import os as _os
+import tempfile as _tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager as _contextmanager
+from dataclasses import dataclass
+from pathlib import Path as _Path
+from types import SimpleNamespace as _NS
+from typing import Callable
 
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import kv_transfer
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config_data import ChunkedTokenDatabase
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler import KVPoolScheduler
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker import KVPoolWorker
+import numpy as _np
+import torch as _torch
 
-BS = 4  # tokens per block, every group
-ATTN, MAMBA = 0, 1
-#: physical layer -> [(group, index in group)]: three GDN layers, then full attention (last layer)
-LAYERS = {0: [(MAMBA, 0)], 1: [(MAMBA, 1)], 2: [(MAMBA, 2)], 3: [(ATTN, 0)]}
-GROUP_LAYERS = {ATTN: 1, MAMBA: 3}
-NUM_LAYERS = len(LAYERS)
+# imported with the harness: the library's patches of them are in place once a test imports it
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import kv_transfer as _kv_transfer  # noqa: F401
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_scheduler as _pool_scheduler  # noqa: F401
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_worker as _pool_worker  # noqa: F401
+
+import byte_store
+from byte_store import PoolService  # noqa: F401
+
 TIME_SCALE = 0.003  # save_kv_layer's 10 s wait -> 30 ms
-GATE_LIMIT_S = 20.0  # a slow copy never waits longer than this for its gate (no hung tests)
+GATE_LIMIT_S = 20.0  # Lifetime.drain waits at most this long for the sending threads to go quiet
 #: PoolInstance.step: a step taking longer fails the test (watchdog). vllm-ascend 0.25.1rc1 may wait
 #: 10 s for each layer whose load never comes (unpatched runs), so a legitimate step can take 20 s+.
 STEP_LIMIT_S = 60.0
@@ -78,16 +94,6 @@ STEP_LIMIT_S = 60.0
 #: (vllm-ascend 0.25.1rc1's ``wait_for_layer_load`` waits 10 s for a load that never comes when
 #: the library is off: a library-off control can shorten that without changing what it shows)
 LOAD_WAIT_SCALE: float | None = None
-GVA_SHIFT = 20
-ADDR_SHIFT = 32
-
-_token_ids = itertools.count(1000)
-#: address base (see make_worker: (group * 100 + index + 1) << ADDR_SHIFT) -> physical layer
-_PHYSICAL = {g * 100 + i + 1: layer for layer, places in LAYERS.items() for g, i in places}
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class ScaledEvent(threading.Event):
@@ -109,532 +115,6 @@ class _ScaledWait(threading.Event):
     def wait(self, timeout=None):
         return super().wait(None if timeout is None else timeout * self.scale)
 
-
-class NpuEvent:
-    """Stands in for ``torch.npu.Event``: nothing runs asynchronously on a device here."""
-
-    def record(self, *args):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-@dataclass
-class Behaviour:
-    kind: str = "fast"  # fast | slow | fail | raise
-    gate: threading.Event | None = None
-    release_at: int | None = None  # harness step at which a slow request's gate opens
-    layers: frozenset[int] | None = None  # physical layers whose copies misbehave (None: all)
-
-
-@dataclass
-class Violation:
-    kind: str  # "foreign" (use-after-free) or "free" (read of a block in the free pool)
-    block_id: int
-    reader: str
-    mark: str | None
-
-
-class Backend:
-    """In place of MemCache: GVA allocation, and copies that check what they read."""
-
-    def __init__(self, harness: Harness):
-        self.h = harness
-        self.store = self  # the sending thread calls m_store.store.batch_copy
-        self._next = itertools.count(1)
-        self._key_of_base: dict[int, str] = {}
-        self.plan: dict[str, Behaviour] = {}
-        self.lock = threading.Lock()
-        self.reads = 0
-        self.copies = 0
-        self.violations: list[Violation] = []
-        # store integrity: layer slots written by successful copies, and each key's finish
-        self.written: dict[str, set[int]] = {}
-        self.finished: dict[str, int] = {}
-        self.stale_ready: list[str] = []  # keys finished with result 0 while a slot was unwritten
-
-    # -- what the worker and its sending thread call
-    def set_device(self):
-        pass
-
-    def batch_alloc(self, keys, sizes):
-        gvas = []
-        for key in keys:
-            base = next(self._next) << GVA_SHIFT
-            self._key_of_base[base] = key
-            gvas.append(base)
-        return gvas
-
-    def batch_is_exist(self, keys):  # vllm-ascend 0.26: are cached GVAs still there (1) or evicted (0)
-        known = set(self._key_of_base.values())
-        return [int(key in known) for key in keys]
-
-    def batch_write_finish(self, keys, results):
-        with self.lock:
-            for key, res in zip(keys, results):
-                self.finished[key] = res
-                if res == 0 and self.written.get(key, set()) != set(range(self.num_slots(key))):
-                    self.stale_ready.append(key)
-        return [0] * len(keys)  # vllm-ascend 0.26 checks one result per key
-
-    @staticmethod
-    def num_slots(key: str) -> int:
-        return GROUP_LAYERS[int(key.split("@")[1])]  # model@group@hash@rank: one slot per layer of the group
-
-    def unfinished(self) -> list[str]:
-        """Keys allocated but never finished (MemCache keeps them invisible)."""
-        return [k for k in self._key_of_base.values() if k not in self.finished]
-
-    def batch_copy(self, gvas, addrs, sizes, direction):
-        readers = [self._reader(gva) for gva in gvas]
-        layer = _PHYSICAL[addrs[0] >> ADDR_SHIFT] if addrs else None
-        behaviours = [self.plan.get(r, Behaviour()) for r in dict.fromkeys(readers)]
-        behaviours = [b for b in behaviours if b.layers is None or layer in b.layers]
-        for b in behaviours:
-            if b.gate is not None:
-                b.gate.wait(GATE_LIMIT_S)
-        pool, marks = self.h.pool, self.h.marks
-        with self.lock:
-            self.copies += 1
-            for reader, addr in zip(readers, addrs):
-                block_id = addr & ((1 << ADDR_SHIFT) - 1)
-                if block_id == 0:
-                    continue
-                self.reads += 1
-                mark = marks[block_id]
-                if mark != reader:
-                    self.violations.append(Violation("foreign", block_id, reader, mark))
-                elif pool.blocks[block_id].ref_cnt <= 0:
-                    self.violations.append(Violation("free", block_id, reader, mark))
-        kinds = {b.kind for b in behaviours}
-        if "raise" in kinds:
-            raise RuntimeError("test backend: copy raised")
-        if "fail" in kinds:
-            return -1
-        with self.lock:
-            for gva in gvas:  # gva = key base + layer slot (page_size_bytes is 1)
-                base = (gva >> GVA_SHIFT) << GVA_SHIFT
-                self.written.setdefault(self._key_of_base[base], set()).add(gva - base)
-        return 0
-
-    def _reader(self, gva: int) -> str:
-        key = self._key_of_base[(gva >> GVA_SHIFT) << GVA_SHIFT]
-        block_hash_hex = key.split("@")[-2]  # model@group@hash@rank
-        return self.h.hash_owner[block_hash_hex]
-
-    def open_all_gates(self):
-        for b in list(self.plan.values()):
-            if b.gate is not None:
-                b.gate.set()
-
-
-def make_scheduler(pool: BlockPool, world_size: int) -> KVPoolScheduler:
-    """A KVPoolScheduler for the hybrid above, layerwise over MemCache (GVA path), kv_producer."""
-    s = object.__new__(KVPoolScheduler)  # __init__ needs a VllmConfig with a model and a store client
-    s.use_layerwise = True
-    s.use_gva_layerwise = True
-    s.backend_name = "memcache"
-    s.kv_role = "kv_producer"
-    s.consumer_is_to_put = s.consumer_is_to_load = False
-    s.load_async = False
-    s.save_decode_cache = False
-    s.use_hybrid = True
-    s.use_compress = s.need_truncate = False
-    s.kv_cache_group_ids = [ATTN, MAMBA]
-    s.kv_cache_group_families = []  # "default" for every group
-    s.mamba_group_ids = [MAMBA]
-    s.num_speculative_blocks = 0
-    s.original_block_size = [BS, BS]
-    s.grouped_block_size = [BS, BS]
-    s.hash_block_size = BS
-    s._block_size = BS
-    s.lcm_block_size = BS
-    s.cache_transfer_granularity = s._infer_cache_transfer_granularity()
-    s._discard_partial_chunks = True
-    s.tp_mismatch = False
-    s.layerwise_offload = s.use_eagle = False  # read from vllm-ascend 0.26 on (layer reuse, EAGLE)
-    s.model_name = "m"
-    s.load_specs = {}
-    s._request_trackers = {}
-    s._preempted_req_ids = set()
-    s._unfinished_requests = {}
-    s._unfinished_request_ids = set()
-    s._loading_req_ids = set()
-    s._delayed_free_req_ids = set()
-    s.sending_event_id = 0
-    s.sending_blocks = {}
-    s.sending_events = {}
-    s._expected_worker_count = world_size
-    s._block_pool = None
-    s.bind_gpu_block_pool(pool)
-    return s
-
-
-def make_worker(rank: int, tp: int, backend: Backend) -> KVPoolWorker:
-    """A KVPoolWorker (tp rank ``rank``) with a started KVCacheStoreLayerSendingThread."""
-    w = object.__new__(KVPoolWorker)  # __init__ registers NPU caches with MemCache
-    w.use_layerwise = True
-    w.use_gva_layerwise = True
-    w.use_mamba = True
-    w.kv_role = "kv_producer"
-    w.consumer_is_to_put = False
-    w.load_async = False
-    w.tp_rank, w.tp_size, w.dcp_size, w.put_step = rank, tp, 1, 1
-    w.head_or_tp_rank = rank
-    w.my_key_index, w.num_ranks_per_layer = 0, 1
-    w.num_layers = NUM_LAYERS
-    w.num_kv_cache_groups = 2
-    w.grouped_block_size = [BS, BS]
-    w.block_size = BS
-    w.hash_block_size = BS
-    w.kv_cache_group_families = []
-    w.group_num_layers = dict(GROUP_LAYERS)
-    w.group_block_len = {g: [1] * n for g, n in GROUP_LAYERS.items()}  # one 1-"byte" cache per layer
-    w.page_size_bytes = 1
-    w.model_name = "m"
-    w._allocated_gvas = {}
-    w.m_store = backend
-    w.physical_layer_to_group_layers = {k: list(v) for k, v in LAYERS.items()}
-    w.layer_save_tasks = [[] for _ in range(NUM_LAYERS)]
-    w.layer_load_tasks = [[] for _ in range(NUM_LAYERS)]
-    w.current_layer = 0
-    w.next_layer_to_submit = 0
-    w.num_prefetch_layers = 1
-    w.layerwise_retrievers = []
-    w._invalid_block_ids = set()
-    w._invalid_block_ids_lock = threading.Lock()
-    w.kv_recv_thread = None
-    # read from vllm-ascend 0.26 on: no layer reuse (offload), no EAGLE, no external slot waiter
-    w.layerwise_offload = w.use_eagle = False
-    w.independent_layers, w.prefetch_layer_map = [], {}
-    w.external_slot_release_waiter = None
-    db = ChunkedTokenDatabase(metadata=[], block_size=[BS, BS], partitions=None, use_hybrid=True)
-    for g, n in GROUP_LAYERS.items():
-        # address = base(group, layer) + block_id * 1: the backend reads the block id back
-        db.group_kv_caches_base_addr[g] = [((g * 100 + i + 1) << ADDR_SHIFT) for i in range(n)]
-        db.group_block_len[g] = [1] * n
-        db.group_block_stride[g] = [1] * n
-    w.token_database = db
-    w.sync_save_events = [NpuEvent() for _ in range(NUM_LAYERS)]
-    w.layer_save_finished_events = [ScaledEvent() for _ in range(NUM_LAYERS)]
-    ready = threading.Event()
-    w.kv_send_thread = kv_transfer.KVCacheStoreLayerSendingThread(
-        backend,
-        db,
-        BS,
-        rank,
-        tp,
-        1,
-        1,
-        w.my_key_index,
-        w.num_ranks_per_layer,
-        w.page_size_bytes,
-        ready,
-        NUM_LAYERS,
-        w.layer_save_finished_events,
-        w.sync_save_events,
-        group_builders=w._build_group_layer_builders(),
-    )
-    w.kv_send_thread.start()
-    ready.wait(5)
-    w._transfer_threads_started = True
-    return w
-
-
-@dataclass
-class Req:
-    request: Request
-    decode_steps: int
-    blocks: dict[int, list] = field(default_factory=lambda: {ATTN: [], MAMBA: []})
-    state: str = "new"  # new | running | preempted | done
-    decoded: int = 0
-    ever: dict[int, set] = field(default_factory=lambda: {ATTN: set(), MAMBA: set()})  # block ids ever held
-
-    @property
-    def id(self) -> str:
-        return self.request.request_id
-
-
-class Harness:
-    """Drives scheduler steps the way vLLM's engine core does, with ``tp`` workers."""
-
-    def __init__(self, *, tp: int = 1, num_blocks: int = 96, chunk: int = 8, seed_skip_touch: bool = False):
-        init_none_hash(sha256)
-        self.pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=BS)
-        self.marks: list[str | None] = [None] * num_blocks
-        self.hash_owner: dict[str, str] = {}
-        self.backend = Backend(self)
-        self.sched = make_scheduler(self.pool, tp)
-        if seed_skip_touch:
-            # The seed change: no touch in layerwise mode (an instance attribute, so that the
-            # class -- patched or not -- is left alone).
-            self.sched.touch_sending_mamba_blocks = lambda req_meta: None
-        self.workers = [make_worker(rank, tp, self.backend) for rank in range(tp)]
-        self.chunk = chunk
-        self.reqs: dict[str, Req] = {}
-        self.finished_ids: set[str] = set()
-        self.steps = 0
-        self.allocs_while_stuck = 0  # allocations made while some slow copy was held at its gate
-        self.initial_free = self.pool.get_num_free_blocks()
-        self._hasher = get_request_block_hasher(BS, sha256)
-
-    # ------------------------------------------------------------------ requests
-    def add(
-        self,
-        req_id: str,
-        prompt_len: int,
-        decode_steps: int = 1,
-        behaviour: str = "fast",
-        release_after: int | None = None,
-        layers: frozenset[int] | None = None,
-    ) -> Req:
-        tokens = [next(_token_ids) for _ in range(prompt_len)]  # distinct: a hash names its request
-        request = Request(req_id, tokens, SamplingParams(max_tokens=decode_steps + 1), None, block_hasher=self._hasher)
-        for h in request.block_hashes:
-            self.hash_owner[h.hex()] = req_id
-        req = Req(request, decode_steps)
-        self.reqs[req_id] = req
-        gate = threading.Event() if behaviour == "slow" else None
-        release_at = None if release_after is None else self.steps + release_after
-        self.backend.plan[req_id] = Behaviour(behaviour, gate, release_at, layers)
-        return req
-
-    def release(self, req_id: str) -> None:
-        """Let a slow request's copies proceed."""
-        gate = self.backend.plan[req_id].gate
-        if gate is not None:
-            gate.set()
-
-    def live(self) -> list[Req]:
-        return [r for r in self.reqs.values() if r.state != "done"]
-
-    # ------------------------------------------------------------------ block bookkeeping (vLLM's side)
-    def _free(self, req: Req) -> None:
-        for g in (ATTN, MAMBA):
-            blocks = [b for b in req.blocks[g] if not b.is_null]
-            self.pool.free_blocks(reversed(blocks))  # KVCacheManager frees tail first
-            req.blocks[g] = []
-
-    def _allocate(self, req: Req, num_new: int) -> tuple[list[int], ...] | None:
-        r = req.request
-        # mamba "align": states older than the one this step resumes from are freed (null in vLLM)
-        keep_from = cdiv(r.num_computed_tokens, BS) - 1
-        mamba = req.blocks[MAMBA]
-        for i in range(max(0, min(keep_from, len(mamba)))):
-            if not mamba[i].is_null:
-                self.pool.free_blocks([mamba[i]])
-                mamba[i] = self.pool.null_block
-        need = cdiv(r.num_computed_tokens + num_new, BS)
-        wanted = {g: max(0, need - len(req.blocks[g])) for g in (ATTN, MAMBA)}
-        if sum(wanted.values()) > self.pool.get_num_free_blocks():
-            return None
-        new: list[list[int]] = [[], []]
-        for g, n in wanted.items():
-            if n:
-                got = self.pool.get_new_blocks(n)
-                if any(b.gate is not None and not b.gate.is_set() for b in self.backend.plan.values()):
-                    self.allocs_while_stuck += 1
-                for b in got:
-                    self.marks[b.block_id] = req.id  # "content" of the block: its owner
-                req.blocks[g].extend(got)
-                new[g] = [b.block_id for b in got]
-                req.ever[g].update(new[g])
-        return tuple(new)
-
-    def _block_ids(self, req: Req) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in req.blocks[g]] for g in (ATTN, MAMBA))
-
-    def _finish(self, req: Req) -> None:
-        delay, _ = self.sched.request_finished_all_groups(req.request, self._block_ids(req))
-        assert not delay, "layerwise mode never delays the free"
-        self._free(req)
-        req.state = "done"
-        self.finished_ids.add(req.id)
-
-    # ------------------------------------------------------------------ one engine step
-    def step(self, *, abort=(), preempt=()) -> None:
-        for b in list(self.backend.plan.values()):
-            if b.gate is not None and b.release_at is not None and b.release_at <= self.steps:
-                b.gate.set()
-        out = SchedulerOutput.make_empty()
-        out.preempted_req_ids = set()
-        out.finished_req_ids, self.finished_ids = self.finished_ids, set()
-        for rid in abort:
-            if self.reqs[rid].state != "done":
-                self._finish(self.reqs[rid])  # abort: request_finished + free, like finish
-        for rid in preempt:
-            req = self.reqs[rid]
-            if req.state == "running":
-                self._free(req)
-                req.request.num_computed_tokens = 0
-                req.state = "preempted"
-                out.preempted_req_ids.add(rid)
-        scheduled: list[tuple[Req, int]] = []
-        cached = out.scheduled_cached_reqs
-        for req in self.live():
-            if req.id in out.preempted_req_ids:
-                continue
-            r = req.request
-            remaining = r.num_tokens - r.num_computed_tokens
-            num_new = min(self.chunk, remaining) if r.num_computed_tokens < r.num_prompt_tokens else remaining
-            if num_new <= 0:
-                continue
-            new_ids = self._allocate(req, num_new)
-            if new_ids is None:
-                continue  # no room: wait (vLLM would preempt; enough here)
-            if req.state in ("new", "preempted"):
-                self.sched.update_state_after_alloc(r, KVCacheBlocks(tuple(req.blocks[g] for g in (ATTN, MAMBA))), 0)
-            if req.state == "new":
-                out.scheduled_new_reqs.append(NewRequestData.from_request(r, self._block_ids(req)))
-            else:
-                resumed = req.state == "preempted"
-                cached.req_ids.append(req.id)
-                if resumed:
-                    cached.resumed_req_ids.add(req.id)
-                ids = self._block_ids(req) if resumed else new_ids
-                cached.new_block_ids.append(ids if any(ids) else None)
-                cached.new_token_ids.append([])
-                cached.num_computed_tokens.append(r.num_computed_tokens)
-                cached.num_output_tokens.append(r.num_output_tokens)
-            req.state = "running"
-            out.num_scheduled_tokens[req.id] = num_new
-            scheduled.append((req, num_new))
-        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        meta = self.sched.build_connector_meta(out)
-        for req, n in scheduled:  # Scheduler._update_after_schedule
-            req.request.num_computed_tokens += n
-        self._run_workers(meta, out)
-        for req, _n in scheduled:  # Scheduler.update_from_output
-            r = req.request
-            if r.num_computed_tokens >= r.num_tokens:
-                if req.decoded >= req.decode_steps:
-                    self._finish(req)
-                    continue
-                r.append_output_token_ids(next(_token_ids))
-                for h in r.block_hashes:
-                    self.hash_owner.setdefault(h.hex(), req.id)
-                req.decoded += 1
-        self.steps += 1
-
-    def _run_workers(self, meta, out: SchedulerOutput) -> None:
-        reports = []
-        for w in self.workers:
-            m = copy.deepcopy(meta)  # each worker process gets its own (deserialized) copy
-            w.start_load_kv(m)
-            if out.total_num_scheduled_tokens:  # else: kv_connector_no_forward
-                for _ in range(NUM_LAYERS):
-                    w.save_kv_layer(m)
-            w.get_finished(out.finished_req_ids, m)
-            reports.append(w.build_connector_worker_meta())
-        agg = None
-        for r in reports:  # KVOutputAggregator
-            if agg is None:
-                agg = r
-            elif r is not None:
-                agg = agg.aggregate(r)
-        self.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=agg))
-
-    # ------------------------------------------------------------------ ends
-    def drain(self, max_steps: int = 200) -> None:
-        """Open every gate, then step (empty steps included) until all requests are done and all
-        sends have been reported, or ``max_steps`` pass."""
-        self.backend.open_all_gates()
-        for _ in range(max_steps):
-            if not self.live():
-                break
-            self.step()
-        deadline = time.monotonic() + GATE_LIMIT_S
-        while any(w.kv_send_thread.request_queue.qsize() for w in self.workers) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        # Completed events reach the scheduler through a later step's output. Step until none is
-        # outstanding, or until the outstanding set stops changing (nothing reports: unpatched).
-        unchanged, last = 0, None
-        while self.sched.sending_events and unchanged < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
-            self.step()
-            now = set(self.sched.sending_events)
-            unchanged = unchanged + 1 if now == last else 0
-            last = now
-        self.step()
-
-    def held_blocks(self) -> list[int]:
-        """Blocks other than the null block that something still references."""
-        return [b.block_id for b in self.pool.blocks if not b.is_null and b.ref_cnt > 0]
-
-    def leaked(self) -> int:
-        return self.initial_free - self.pool.get_num_free_blocks()
-
-    def close(self) -> None:
-        self.backend.open_all_gates()
-
-
-# ==================================================================================================
-# The pool harness on real objects.
-#
-# ``Harness`` above (a fake scheduler loop over the real BlockPool and KVPoolScheduler/KVPoolWorker
-# methods) is kept, unchanged, for tests/standins/test_mamba_lifetime.py. What follows is the
-# project's pool harness; new tests use it:
-#
-#   pool = make_pool()                                   # a byte-level MemCache pool (byte_store)
-#   a = PoolInstance(pool, name="A")                     # one vLLM instance attached to it
-#   a.add_request("a", prompt); engine_loop(a)           # EngineCoreProc's loop
-#   b = PoolInstance(pool, name="B")                     # a second instance, same pool
-#   ...; b.wrong_reads("b")                              # what each GDN layer read, right or not
-#
-# Real: vLLM's ``Scheduler`` (``scheduler_config.get_scheduler_cls()``) with its KVCacheManager /
-# HybridKVCacheCoordinator in mamba ``align`` mode, with vllm-ascend's process-wide patches applied
-# as its platform plugin applies them (``load_general_plugins`` + ``pre_register_and_update`` ->
-# ``adapt_patch(is_global_patch=True)``; the worker patches as its NPU worker applies them,
-# ``adapt_patch()``); the AscendStore connector's scheduler and worker halves made by vLLM's
-# ``KVConnectorFactory`` from a ``kv_transfer_config`` (use_layerwise, MemCache backend), the
-# worker's ``register_kv_caches`` and the layer sending / receiving threads it starts; vLLM's
-# ``KVOutputAggregator``; ``NPUModelRunner.execute_model``'s order replayed with the functions
-# looked up where it looks them up (``handle_preemptions``, ``mamba_utils.preprocess_mamba``,
-# ``NPUModelRunner.maybe_get_kv_connector_output`` / ``kv_connector_no_forward``,
-# ``mamba_utils.do_mamba_copy_block``), each GDN layer entered through its (patched or not)
-# ``AscendGatedDeltaNetAttention._forward_core`` and saved by ``ops.gdn``'s
-# ``maybe_save_kv_layer_to_connector``, each attention layer through vLLM's
-# ``maybe_transfer_kv_layer``.
-#
-# Stood in for, and why:
-# - the model config is a tiny Qwen3-Next (``config.json`` in a temp dir, no weights, no hub);
-#   vLLM's model inspection subprocess gets the CPU stand-ins through a ``sitecustomize``;
-# - the KV cache specs are the harness's (``block_size`` tokens in every group, small states, the
-#   mamba page padded to the attention page): vllm-ascend's platform forces 128-token attention
-#   blocks for this model; the scheduler's block size is set the way EngineCore sets it (min of
-#   the groups' block sizes);
-# - MemCache: ``byte_store`` (real bytes, bounds-checked, faults, per-key write records);
-# - the NPU batch-copy kernel (``mamba_utils.batch_memcpy``, a Triton launcher on NPU): host
-#   ``memmove`` of the same (src, dst, size) rows, bounds-checked against the cache tensors;
-# - the NPU caches: host tensors laid out as vLLM lays out shared hybrid pages (one raw tensor per
-#   ``KVCacheTensor``, attention K/V and mamba conv/SSM views with the page as block stride);
-# - one process per TP rank: each rank's worker half is built while vllm-ascend's pool worker and
-#   MemCache backend see that rank's parallel state; each rank's step runs with its connector as
-#   the process's transfer group;
-# - the model's compute: a GDN layer "computes" when the original ``_forward_core`` first reads its
-#   state (``self.kv_cache[1]``): the harness records what the state block of each request holds
-#   (a :class:`GDNRead`), writes the state after this step's tokens, and stops the original there
-#   (the NPU kernels that follow cannot run on a CPU). Attention layers check their computed blocks
-#   and write the new ones the same way. Every state / KV block value names its content: "the
-#   state of layer L (TP slice R) after the first t tokens of this token sequence"
-#   (:func:`state_value`); a wrong read propagates (the layer writes a value derived from what it
-#   read), as a real model would compute on.
-# ==================================================================================================
-import ctypes as _ctypes  # noqa: E402
-import hashlib as _hashlib  # noqa: E402
-import json as _json  # noqa: E402
-import os as _os  # noqa: E402
-import tempfile as _tempfile  # noqa: E402
-from contextlib import contextmanager as _contextmanager  # noqa: E402
-from pathlib import Path as _Path  # noqa: E402
-from types import SimpleNamespace as _NS  # noqa: E402
-
-import numpy as _np  # noqa: E402
-import torch as _torch  # noqa: E402
-
-import byte_store  # noqa: E402
-from byte_store import PoolService  # noqa: E402,F401
 
 _CHILD_SITE = _Path(__file__).resolve().parent / "child_site"
 _MODEL_DIRS: dict[tuple, str] = {}
@@ -1770,3 +1250,319 @@ class StatsTap:
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)
         return out
+
+
+# ==================================================================================================
+# Block lifetime under layerwise sends (issue 24): which request's block each save copy reads
+# ==================================================================================================
+ATTN, MAMBA = "attn", "mamba"  # BlockOwners.ever's keys: full-attention and mamba (GDN) groups
+_LIFETIME_TOKENS = itertools.count(10_000_000)  # distinct prompt tokens: a block hash names its request
+
+
+@dataclass
+class BadRead:
+    """A save copy that read a block its request no longer owns."""
+
+    kind: str  # "foreign" (use-after-free: freed and handed to another request mid-send) | "free" (a free block)
+    block_id: int
+    reader: str  # the request whose pool key the copy writes
+    mark: str | None  # the request the block was last allocated to
+    group: int
+
+
+class BlockOwners:
+    """Use-after-free detector for layerwise sends on one :class:`PoolInstance` with a pool.
+
+    Every block the instance's KVCacheManager allocates to a request is marked with the request's
+    id (each group's ``allocate_new_blocks``; ``ever[req][ATTN | MAMBA]`` keeps every block a
+    request was given). Every save copy (a byte_store observer: after the copy's gate or delay,
+    when it reads) maps each host range back to its block id, and its key (``model@group@hash@rank``)
+    to the request whose block hash it names, then compares: a block marked by another request is a
+    use-after-free read ("foreign": freed and handed to another request while the send was queued or
+    stuck); a block with ``ref_cnt == 0`` is a read of a free block ("free": about to be reused).
+    The null block is skipped. ``allocs_while_stuck`` counts allocations made while a gated copy
+    (a ``gate`` fault of the pool) was held."""
+
+    def __init__(self, inst: PoolInstance):
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.inst, self.pool = inst, inst.pool
+        manager = inst.scheduler.kv_cache_manager
+        self.block_pool = manager.block_pool
+        self.kind_of_group = {
+            g: MAMBA if isinstance(grp.kv_cache_spec, MambaSpec) else ATTN
+            for g, grp in enumerate(inst.kv_cache_config.kv_cache_groups)
+        }
+        self.marks: dict[int, str] = {}
+        self.ever: dict[str, dict[str, set[int]]] = {}
+        self.requests: dict[str, object] = {}  # req id -> vLLM Request (its block hashes grow with decode)
+        self._hash_owner: dict[str, str] = {}
+        self.violations: list[BadRead] = []
+        self.reads = 0
+        self.allocs_while_stuck = 0
+        self.lock = threading.Lock()
+        nb = inst.kv_cache_config.num_blocks
+        #: (start, size, page) of every rank's cache tensors: a host address names its block
+        self.regions = [(raw.data_ptr(), raw.numel(), raw.numel() // nb) for rank in inst.ranks for raw in rank._raw]
+        for g, single in enumerate(manager.coordinator.single_type_managers):
+            self._wrap(g, single)
+        add = inst.add_request
+
+        def add_request(req_id, prompt, max_tokens=1):
+            request = add(req_id, prompt, max_tokens)
+            self.requests[req_id] = request
+            self.ever[req_id] = {ATTN: set(), MAMBA: set()}
+            return request
+
+        inst.add_request = add_request
+        inst.pool.observers.append(self._observe)
+
+    def _wrap(self, group: int, single) -> None:
+        allocate, kind = single.allocate_new_blocks, self.kind_of_group[group]
+
+        def allocate_new_blocks(request_id, *args, **kwargs):
+            blocks = allocate(request_id, *args, **kwargs)
+            if blocks:
+                if any(f.kind == "gate" and not f.gate.is_set() for f in self.pool.faults):
+                    self.allocs_while_stuck += 1
+                with self.lock:
+                    real = [b.block_id for b in blocks if not b.is_null]  # align mode: nulls for skipped states
+                    for b in real:
+                        self.marks[b] = request_id  # the block's "content": its owner
+                    self.ever.setdefault(request_id, {ATTN: set(), MAMBA: set()})[kind].update(real)
+            return blocks
+
+        single.allocate_new_blocks = allocate_new_blocks
+
+    def owner(self, block_hash_hex: str) -> str | None:
+        if block_hash_hex not in self._hash_owner:  # a decode block, hashed after the request was added
+            for rid, request in list(self.requests.items()):
+                for h in request.block_hashes:
+                    self._hash_owner.setdefault(h.hex(), rid)
+        return self._hash_owner.get(block_hash_hex)
+
+    def block_of(self, addr: int) -> int | None:
+        for start, size, page in self.regions:
+            if start <= addr < start + size:
+                return (addr - start) // page
+        return None
+
+    def _observe(self, direction: int, targets) -> None:
+        if direction != byte_store.L2G:
+            return
+        with self.lock:
+            for key, _off, addr, _size in targets:
+                _model, group, block_hash, *_ = key.split("@")
+                reader, block_id = self.owner(block_hash), self.block_of(addr)
+                if reader is None or not block_id:  # not a request's key, another instance's range, the null block
+                    continue
+                self.reads += 1
+                mark = self.marks.get(block_id)
+                if mark != reader:
+                    self.violations.append(BadRead("foreign", block_id, reader, mark, int(group)))
+                elif self.block_pool.blocks[block_id].ref_cnt <= 0:
+                    self.violations.append(BadRead("free", block_id, reader, mark, int(group)))
+
+    def held_blocks(self) -> list[int]:
+        """Blocks other than the null block that something still references."""
+        return [b.block_id for b in self.block_pool.blocks if not b.is_null and b.ref_cnt > 0]
+
+    def misowned(self) -> list[tuple[str, int, str | None]]:
+        """Blocks vLLM lists for an unfinished request that carry another request's mark."""
+        sched, bad = self.inst.scheduler, []
+        for rid, request in list(sched.requests.items()):
+            if request.is_finished():
+                continue
+            for ids in sched.kv_cache_manager.get_block_ids(rid):
+                bad += [(rid, b, self.marks.get(b)) for b in ids if b and self.marks.get(b) != rid]
+        return bad
+
+
+def layer_slot_fault(inst: PoolInstance, layers) -> Callable:
+    """An ``at`` for :meth:`byte_store.PoolService.add_fault`: the ranges of the layer slots of the
+    physical layers ``layers`` (indices into ``inst.layer_order``) in their groups' keys."""
+    groups = inst.kv_cache_config.kv_cache_groups
+    wanted = {(inst.group_of[inst.layer_order[i]], groups[inst.group_of[inst.layer_order[i]]].layer_names.index(inst.layer_order[i])) for i in layers}
+
+    def at(key: str, offset: int, size: int) -> bool:
+        g = int(key.split("@")[1])
+        return (g, offset * len(groups[g].layer_names) // size) in wanted
+
+    return at
+
+
+#: Lifetime.add's behaviours -> byte_store fault kinds (of the request's save copies)
+_BEHAVIOURS = {"slow": "gate", "fail": "error", "raise": "raise"}
+
+
+class Lifetime:
+    """Block-lifetime workloads on one :class:`PoolInstance` (with a pool): requests of distinct
+    tokens whose save copies behave as planned -- ``fast``; ``slow`` (held at a gate until
+    :meth:`release`, ``release_after`` steps, or :meth:`drain`); ``fail`` (the copy returns an
+    error); ``raise`` -- on every layer or on the given physical layers; vLLM's own abort
+    (``finish_requests``) and preemption (``_preempt_request``, as ``reset_prefix_cache`` preempts);
+    :class:`BlockOwners` watching every save copy. ``seed_skip_touch``: the seed change (no touch
+    of the mamba blocks a send reads, an instance attribute of the connector's scheduler half)."""
+
+    def __init__(self, inst: PoolInstance, *, seed_skip_touch: bool = False):
+        self.inst, self.pool = inst, inst.pool
+        self.sched = inst.scheduler
+        self.cs = inst.scheduler.connector.connector_scheduler
+        if seed_skip_touch:
+            self.cs.touch_sending_mamba_blocks = lambda req_meta: None
+        self.owners = BlockOwners(inst)
+        self.faults: dict[str, byte_store.Fault] = {}
+        self.release_at: dict[str, int] = {}
+        self.steps = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """A new workload on the same (idle) instance: faults, records and baselines start afresh."""
+        self.pool.clear_faults()
+        self.faults.clear()
+        self.release_at.clear()
+        self.owners.violations.clear()
+        self.owners.reads = self.owners.allocs_while_stuck = 0
+        self.initial_free = self.owners.block_pool.get_num_free_blocks()
+        self.keys_before = set(self.pool.blobs)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, req_id: str, prompt_len: int, decode_steps: int = 1, behaviour: str = "fast", release_after=None, layers=None):
+        tokens = [next(_LIFETIME_TOKENS) for _ in range(prompt_len)]
+        request = self.inst.add_request(req_id, tokens, max_tokens=decode_steps + 1)
+        if behaviour != "fast":
+            owned = lambda key: key.split("@")[2] in {h.hex() for h in request.block_hashes}  # noqa: E731
+            at = None if layers is None else layer_slot_fault(self.inst, layers)
+            self.faults[req_id] = self.pool.add_fault(_BEHAVIOURS[behaviour], direction=byte_store.L2G, match=owned, at=at)
+        if behaviour == "slow" and release_after is not None:
+            self.release_at[req_id] = self.steps + release_after
+        return request
+
+    def gate(self, req_id: str) -> threading.Event:
+        return self.faults[req_id].gate
+
+    def release(self, req_id: str) -> None:
+        """Let a slow request's copies proceed."""
+        if req_id in self.faults:
+            self.faults[req_id].gate.set()
+
+    def open_all_gates(self) -> None:
+        for fault in self.faults.values():
+            fault.gate.set()
+
+    def done(self, req_id: str) -> bool:
+        return req_id in self.owners.requests and req_id not in self.sched.requests
+
+    def live(self) -> list[str]:
+        return [r for r, req in self.sched.requests.items() if not req.is_finished()]
+
+    # ------------------------------------------------------------------ steps
+    def step(self, *, abort=(), preempt=()) -> None:
+        """One engine step (``PoolInstance.step``; nothing if the engine has no work), after
+        aborting / preempting the given requests and opening the gates due."""
+        from vllm.v1.request import RequestStatus
+
+        for rid, at in list(self.release_at.items()):
+            if at <= self.steps:
+                self.release(rid)
+                del self.release_at[rid]
+        for rid in abort:
+            if rid in self.sched.requests:
+                self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        preempted = []
+        for rid in preempt:
+            request = self.sched.requests.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.sched.running.remove(request)
+                self.sched._preempt_request(request, time.monotonic())  # as reset_prefix_cache preempts
+                # as in a step that preempts: reported in this step's preempted_req_ids, not resumed
+                # before the next one (vllm-ascend 0.26's connector rejects a same-step resume)
+                self.sched.waiting.remove_request(request)
+                preempted.append(request)
+        if preempted:
+            self.sched.has_requests = lambda: True  # the step that reports them runs
+            try:
+                self.inst.step()
+            finally:
+                del self.sched.has_requests
+                for request in reversed(preempted):
+                    self.sched.waiting.prepend_request(request)
+        elif self.inst.has_work():
+            self.inst.step()
+        self.steps += 1
+
+    def drain(self, max_steps: int = 2000) -> None:
+        """Open every gate, then run EngineCoreProc's loop until it stops by itself; then wait for
+        the sending threads to go quiet (a send the engine no longer steps for still copies)."""
+        self.open_all_gates()
+        engine_loop(self.inst, max_steps=max_steps)
+        if not self.cs.sending_events:  # every send reported (the library keeps the loop going until then)
+            return
+        deadline = time.monotonic() + GATE_LIMIT_S
+        threads = [r.connector.connector_worker.kv_send_thread for r in self.inst.ranks]
+        while any(t.request_queue.qsize() for t in threads) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.02)  # the copy a thread took off its queue
+        engine_loop(self.inst, max_steps=max_steps)
+
+    def close(self) -> None:
+        self.open_all_gates()
+
+    # ------------------------------------------------------------------ checks
+    @property
+    def violations(self) -> list[BadRead]:
+        return self.owners.violations
+
+    def held_blocks(self) -> list[int]:
+        return self.owners.held_blocks()
+
+    def leaked(self) -> int:
+        return self.initial_free - self.owners.block_pool.get_num_free_blocks()
+
+    def new_keys(self) -> list[str]:
+        return [k for k in self.pool.blobs if k not in self.keys_before]
+
+    def stale_ready(self) -> list[str]:
+        """This workload's keys finished ready while a layer slot was unwritten (by a copy that
+        returned 0 before the finish)."""
+        groups, gaps = self.inst.kv_cache_config.kv_cache_groups, []
+        with self.pool.lock:
+            for key in self.new_keys():
+                blob = self.pool.blobs[key]
+                if blob.state != "ready":
+                    continue
+                n, size = len(groups[int(key.split("@")[1])].layer_names), len(blob.data)
+                if {off * n // size for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at} != set(range(n)):
+                    gaps.append(key)
+        return gaps
+
+    def finished(self) -> dict[str, int]:
+        """This workload's finished keys and their results."""
+        with self.pool.lock:
+            return {k: self.pool.blobs[k].result for k in self.new_keys() if self.pool.blobs[k].state != "writing"}
+
+    def unfinished(self) -> list[str]:
+        """This workload's keys allocated but never finished (MemCache keeps them invisible)."""
+        with self.pool.lock:
+            return [k for k in self.new_keys() if self.pool.blobs[k].state == "writing"]
+
+
+def make_lifetime(*, tp: int = 1, num_blocks: int = 16, chunk: int = 8, seed_skip_touch: bool = False) -> Lifetime:
+    """A :class:`Lifetime` on a fresh pool and instance shaped for block-lifetime workloads: 4-token
+    blocks (prompts of 4-24 tokens span 1-6 blocks), ``num_blocks`` in the KV cache (small: freed
+    blocks are soon handed out again), ``chunk`` prefill tokens per request and step, kv_producer
+    (saves only), save_kv_layer's 10 s wait scaled to 30 ms."""
+    inst = PoolInstance(
+        make_pool(),
+        tp=tp,
+        kv_heads=2,
+        block_size=4,
+        num_blocks=num_blocks,
+        kv_role="kv_producer",
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=chunk,
+        # as long as the cache allows (vLLM checks it); 128 as test_send_pool's instances (one model config)
+        max_model_len=24 if num_blocks < 10 else 28 if num_blocks < 48 else 128,
+    )
+    inst.scale_save_wait()
+    return Lifetime(inst, seed_skip_touch=seed_skip_touch)

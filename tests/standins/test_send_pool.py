@@ -1,6 +1,6 @@
 """Layerwise sends on the real engine objects: held blocks come back at idle, no pool key is ready
 with an unwritten layer, a hung copy is reported (real time: save_kv_layer's own 10 s wait).
-(tests/standins/test_send_integrity.py has the hung copy on ``Harness`` too, time scaled, for v0250.)
+(tests/standins/test_send_integrity.py has the hung copy time scaled, with ``Lifetime``.)
 
 Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's / 0.26.0's Scheduler and
 KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the byte-level
