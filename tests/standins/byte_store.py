@@ -89,6 +89,9 @@ class KeyInfo:
     def gva_list(self) -> list[int]:
         return [self._gva] if self._size else []
 
+    def type_list(self) -> list[int]:  # media of each copy (vllm-ascend 0.30 rewarms SSD = 2): never SSD here
+        return [0] if self._size else []
+
 
 class PoolService:
     """One MemCache pool, shared by every instance (scheduler and worker clients) attached to it."""
@@ -152,7 +155,7 @@ class PoolService:
         return self.blobs[key].data.tobytes()
 
     # ------------------------------------------------------------------ MemCache API
-    def batch_alloc(self, keys, sizes) -> list[int]:
+    def batch_alloc(self, keys, sizes, *more) -> list[int]:  # vllm-ascend 0.30 adds (replicas, lease_ttl_ms)
         out = []
         with self.lock:
             for key, size in zip(keys, sizes):
