@@ -300,3 +300,31 @@ def install(service: PoolService) -> None:
         module.DistributedObjectStore = DistributedObjectStore
         sys.modules["memcache_hybrid"] = module
     DistributedObjectStore.service = service
+
+
+# ------------------------------------------------------------------ a pool that outlives its process
+# (issue 25: a pool written by one release pair and read by another; each pair is its own venv)
+def save(service: PoolService, path: str) -> int:
+    """Write ``service``'s ready keys and their bytes to ``path``; returns how many."""
+    import pickle
+
+    with service.lock:
+        ready = {k: b.data.tobytes() for k, b in service.blobs.items() if b.state == "ready"}
+    with open(path, "wb") as f:
+        pickle.dump(ready, f)
+    return len(ready)
+
+
+def load(path: str) -> PoolService:
+    """A pool holding the ready keys :func:`save` wrote (each finished with result 0)."""
+    import pickle
+
+    with open(path, "rb") as f:
+        ready = pickle.load(f)
+    service = PoolService()
+    for key, data in ready.items():
+        (gva,) = service.batch_alloc([key], [len(data)])
+        blob = service._by_index[gva >> GVA_SHIFT]
+        blob.data[:] = np.frombuffer(data, dtype=np.uint8)
+        service.batch_write_finish([key], [0])
+    return service

@@ -98,9 +98,25 @@ def probe_hit(original) -> int:
         _get_layerwise_hit_tokens=lambda request, token_len, num_computed_tokens: token_len // bs * bs,
     )
     request = SimpleNamespace(request_id="alp-probe", prompt_token_ids=list(range(2 * bs)), num_tokens=2 * bs, block_hashes=[])
-    original(probe, request, 0)
+    import logging
+
+    quiet = _ProbeLines()
+    log = logging.getLogger("vllm.logger")  # the scheduler logs through vllm.logger.logger: the probe stays out
+    log.addFilter(quiet)
+    try:
+        original(probe, request, 0)
+    finally:
+        log.removeFilter(quiet)
     spec = probe.load_specs.get(request.request_id)
     return spec.kvpool_cached_tokens if spec is not None else 0
+
+
+class _ProbeLines:
+    """A logging filter dropping the records that name the probe request."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return "alp-probe" not in str(record.args)
 
 
 def _fixed_upstream(original) -> str | None:
