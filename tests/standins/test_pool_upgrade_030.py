@@ -1,0 +1,81 @@
+"""Issue 25: a pool written by vllm-ascend 0.26.0rc1 (the v0260 pair's venv, with this library off and
+on) is read by vllm-ascend 0.30.0rc2 with 0 wrong reads.
+
+The writer (pool_writer.py) runs in the v0260 venv next to this one (``.matrix/v0260``): the pool
+harness there serves prompt A (40 tokens) and saves the pool's ready keys; here a fresh 0.30 instance
+of the same checkpoint folder (keys name it) loads that pool and serves A's first 32 tokens + 5: a
+32-token pool hit. Library-off pool: 0.25/0.26 keys have 0.30's shape (``model@group@hash@rank``) and
+at one TP size the same bytes -- the hit is taken and read right. Library-on pool: ``pool_key_layout``
+versioned its keys, 0.30 never hits them and recomputes. (Across TP sizes 0.30 is not safe, whoever
+wrote the pool: see README "Upgrading a fleet"; not tested here, not fixed.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import PAIR
+
+PAIRS = ("v0300",)
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+import byte_store  # noqa: E402
+import harness_pool  # noqa: E402
+from harness_pool import PoolInstance, engine_loop  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+A = list(range(1000, 1040))
+WRITER_PAIR = "v0260"
+
+
+def _writer_python() -> Path | None:
+    """The v0260 pair's interpreter: a sibling of this pair's venv (``.matrix/<pair>``)."""
+    here = Path(sys.prefix)
+    for venv in (here.parent / WRITER_PAIR, ROOT / ".matrix" / WRITER_PAIR):
+        if (venv / "bin" / "python").exists():
+            return venv / "bin" / "python"
+    return None
+
+
+def test_pool_written_by_026_is_read_right_by_030(tmp_path):
+    python = _writer_python()
+    if python is None:
+        pytest.skip(f"no {WRITER_PAIR} venv next to this one (scripts/env.sh {WRITER_PAIR})")
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    harness_pool._runtime()
+    if not getattr(harness_pool._RT, "none_hash", False):
+        kv_cache_utils.init_none_hash(sha256)
+        harness_pool._RT.none_hash = True
+    model_dir = harness_pool._model_dir("GAGA", 2, folder="qwen3next-upgrade")
+    out = tmp_path / "pool"
+    env_path = str(ROOT)
+    proc = subprocess.run(
+        [str(python), str(HERE / "pool_writer.py"), str(out), model_dir, bytes(kv_cache_utils.NONE_HASH).hex()],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": env_path, "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for lib in ("off", "on"):
+        pool = byte_store.load(f"{out}.{lib}")
+        inst = PoolInstance(pool, name=f"reader-{lib}", model_dir=model_dir)
+        inst.add_request("b", A[:32] + [7, 8, 9, 10, 11])
+        engine_loop(inst)
+        loaded = sorted(pool.key_bytes[byte_store.G2L])
+        reads = inst.reads_of("b") + inst.reads_of("b", kind="attn")
+        rows[lib] = (sum(not r.ok for r in reads), len(reads), len(loaded))
+    print(f"\n0.26.0rc1 pool read by 0.30.0rc2: (wrong reads, reads, keys loaded) {rows}")
+    assert rows["off"][0] == 0 and rows["off"][2] > 0  # hit taken (keys loaded) and read right
+    assert rows["on"][0] == 0 and rows["on"][2] == 0  # versioned keys: never hit
