@@ -4,20 +4,22 @@ on) is read by vllm-ascend 0.30.0rc2 with 0 wrong reads.
 The writer (pool_writer.py) runs in the v0260 venv next to this one (``.matrix/v0260``): the pool
 harness there serves prompt A (40 tokens) and saves the pool's ready keys; here a fresh 0.30 instance
 of the same checkpoint folder (keys name it) loads that pool and serves A's first 32 tokens + 5: a
-32-token pool hit. Library-off pool: 0.25/0.26 keys have 0.30's shape (``model@group@hash@rank``) and
-at one TP size the same bytes -- the hit is taken and read right. Library-on pool: ``pool_key_layout``
-versioned its keys, 0.30 never hits them and recomputes. (Across TP sizes 0.30 is not safe, whoever
-wrote the pool: see README "Upgrading a fleet"; not tested here, not fixed.)
+32-token pool hit. Library-off pool: 0.25/0.26 keys have 0.30's upstream shape
+(``model@group@hash@rank``) and at one TP size the same bytes -- with ``pool_key_tp`` off the hit is
+taken and read right; with it on (keys name the TP size) the old keys miss and the prompt recomputes.
+Library-on pool: ``pool_key_layout`` versioned its keys, 0.30 never hits them either way.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import ascend_layerwise_patch
 from support import PAIR
 
 PAIRS = ("v0300",)
@@ -68,14 +70,25 @@ def test_pool_written_by_026_is_read_right_by_030(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
-    for lib in ("off", "on"):
-        pool = byte_store.load(f"{out}.{lib}")
-        inst = PoolInstance(pool, name=f"reader-{lib}", model_dir=model_dir)
-        inst.add_request("b", A[:32] + [7, 8, 9, 10, 11])
-        engine_loop(inst)
-        loaded = sorted(pool.key_bytes[byte_store.G2L])
-        reads = inst.reads_of("b") + inst.reads_of("b", kind="attn")
-        rows[lib] = (sum(not r.ok for r in reads), len(reads), len(loaded))
-    print(f"\n0.26.0rc1 pool read by 0.30.0rc2: (wrong reads, reads, keys loaded) {rows}")
-    assert rows["off"][0] == 0 and rows["off"][2] > 0  # hit taken (keys loaded) and read right
-    assert rows["on"][0] == 0 and rows["on"][2] == 0  # versioned keys: never hit
+    reg = ascend_layerwise_patch.REGISTRY
+    try:
+        for reader in ("pool_key_tp off", "library on"):
+            reg.revert()
+            reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": "pool_key_tp"} if "off" in reader else None)
+            for lib in ("off", "on"):
+                pool = byte_store.load(f"{out}.{lib}")
+                inst = PoolInstance(pool, name=f"reader-{lib}", model_dir=model_dir)
+                inst.add_request("b", A[:32] + [7, 8, 9, 10, 11])
+                engine_loop(inst)
+                reads = inst.reads_of("b") + inst.reads_of("b", kind="attn")
+                rows[f"0.26 library {lib} -> 0.30 {reader}"] = (sum(not r.ok for r in reads), len(reads), len(pool.key_bytes[byte_store.G2L]))
+    finally:
+        reg.revert()
+        reg.activate()
+    print("\n0.26.0rc1 pool read by 0.30.0rc2: (wrong reads, reads, keys loaded)")
+    for name, row in rows.items():
+        print(f"  {name}: {row}")
+    assert all(wrong == 0 for wrong, _reads, _loaded in rows.values()), rows
+    assert rows["0.26 library off -> 0.30 pool_key_tp off"][2] > 0  # same key shape: hit taken, read right
+    assert rows["0.26 library off -> 0.30 library on"][2] == 0  # keys naming the TP size: the old ones miss
+    assert rows["0.26 library on -> 0.30 library on"][2] == rows["0.26 library on -> 0.30 pool_key_tp off"][2] == 0
