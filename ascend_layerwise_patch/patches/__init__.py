@@ -35,6 +35,8 @@ load_failures_policy    load_failures        vllm-ascend refused kv_load_failure
 load_failures_rollback  load_failures        the in-place rollback shared the null block, kept stale blocks cached and async frames
 async_fences            async_fences         with async scheduling a kv_producer's freed block could be loaded into while the in-flight step still wrote it
 pool_metrics            pool_metrics         the pool's failures were not on vLLM's /metrics nor in its KV-transfer log line
+pool_hit_boundary       pool_hit_boundary    0.30: a whole-prompt pool hit resumed a GDN request at prompt - 1, where no state was saved
+pool_key_tp             pool_key_tp          0.30: pool keys named no TP size: another TP size's GDN slices were loaded
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from . import (
     mamba_lifetime,
     mamba_local_hit,
     mamba_pool_hit,
+    pool_hit_boundary,
     pool_key_layout,
+    pool_key_tp,
     pool_metrics,
     postprocess_kernel,
 )
@@ -71,4 +75,6 @@ SPECS = (
     *load_failures.SPECS,
     *async_fences.SPECS,
     *pool_metrics.SPECS,
+    *pool_hit_boundary.SPECS,
+    *pool_key_tp.SPECS,
 )

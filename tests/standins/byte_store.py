@@ -102,6 +102,9 @@ class KeyInfo:
     def gva_list(self) -> list[int]:
         return [self._gva] if self._size else []
 
+    def type_list(self) -> list[int]:  # media of each copy (vllm-ascend 0.30 rewarms SSD = 2): never SSD here
+        return [0] if self._size else []
+
 
 class PoolService:
     """One MemCache pool, shared by every instance (scheduler and worker clients) attached to it."""
@@ -168,7 +171,7 @@ class PoolService:
         return self.blobs[key].data.tobytes()
 
     # ------------------------------------------------------------------ MemCache API
-    def batch_alloc(self, keys, sizes) -> list[int]:
+    def batch_alloc(self, keys, sizes, *more) -> list[int]:  # vllm-ascend 0.30 adds (replicas, lease_ttl_ms)
         out = []
         with self.lock:
             for key, size in zip(keys, sizes):
@@ -315,3 +318,31 @@ def install(service: PoolService) -> None:
         module.DistributedObjectStore = DistributedObjectStore
         sys.modules["memcache_hybrid"] = module
     DistributedObjectStore.service = service
+
+
+# ------------------------------------------------------------------ a pool that outlives its process
+# (issue 25: a pool written by one release pair and read by another; each pair is its own venv)
+def save(service: PoolService, path: str) -> int:
+    """Write ``service``'s ready keys and their bytes to ``path``; returns how many."""
+    import pickle
+
+    with service.lock:
+        ready = {k: b.data.tobytes() for k, b in service.blobs.items() if b.state == "ready"}
+    with open(path, "wb") as f:
+        pickle.dump(ready, f)
+    return len(ready)
+
+
+def load(path: str) -> PoolService:
+    """A pool holding the ready keys :func:`save` wrote (each finished with result 0)."""
+    import pickle
+
+    with open(path, "rb") as f:
+        ready = pickle.load(f)
+    service = PoolService()
+    for key, data in ready.items():
+        (gva,) = service.batch_alloc([key], [len(data)])
+        blob = service._by_index[gva >> GVA_SHIFT]
+        blob.data[:] = np.frombuffer(data, dtype=np.uint8)
+        service.batch_write_finish([key], [0])
+    return service

@@ -169,11 +169,30 @@ def _runtime():
 
     # The NPU batch-copy kernel (a Triton launcher): host memmove of the same rows.
     mamba_utils.batch_memcpy = _host_batch_memcpy
+    import sys as _sys
+
+    ascend_mamba = _sys.modules.get("vllm_ascend.patch.worker.patch_mamba_utils")
+    if hasattr(ascend_mamba, "_batch_memcpy_triton"):  # vllm-ascend 0.30: the per-layer copy calls it by name
+        ascend_mamba._batch_memcpy_triton = _host_batch_memcpy
+    import vllm.v1.utils as _v1_utils
+
+    if getattr(_v1_utils, "PIN_MEMORY", False):  # vLLM 0.30's CpuGpuBuffer.copy_to_gpu pins by this flag
+        _v1_utils.PIN_MEMORY = False  # (the device's pinned host memory: no such thing here)
     _RT.gdn = gdn
     _RT.runner_module = runner_module
     _RT.runner = runner
     _RT.ready = True
     return _RT
+
+
+def _placements(tensor, specs) -> list[tuple[str, int, int]]:
+    """(layer, byte offset of its block 0, block stride) of each layer in one ``KVCacheTensor``:
+    vLLM <= 0.29 shares the tensor among ``shared_by`` layers (one per group, each from offset 0,
+    stride = the page); vLLM 0.30 places ``layers`` at ``offset + l * layer_stride`` with its own
+    ``block_stride``."""
+    if hasattr(tensor, "shared_by"):
+        return [(name, 0, specs[name].page_size_bytes) for name in tensor.shared_by]
+    return [(name, tensor.offset + i * tensor.layer_stride, tensor.block_stride) for i, name in enumerate(tensor.layers)]
 
 
 def _in_host_regions(addr: int, size: int) -> bool:
@@ -258,8 +277,9 @@ def _process_of_rank(rank: int, tp: int):
         (pool_worker, "get_pcp_group"): lambda: _NS(world_size=1, rank_in_group=0),
         (pool_worker, "get_decode_context_model_parallel_world_size"): lambda: 1,
         (pool_worker, "get_decode_context_model_parallel_rank"): lambda: 0,
-        (memcache_backend, "get_world_group"): lambda: _NS(local_rank=rank),
     }
+    if hasattr(memcache_backend, "get_world_group"):  # vllm-ascend <= 0.26 (0.30: torch.npu.current_device())
+        values[(memcache_backend, "get_world_group")] = lambda: _NS(local_rank=rank)
     if hasattr(memcache_backend, "get_ascend_device_type"):  # vllm-ascend 0.25 (0.26 no longer asks)
         # an A3 node (no A2 bootstrap all-gather over the world group)
         values[(memcache_backend, "get_ascend_device_type")] = lambda: memcache_backend.AscendDeviceType.A3
@@ -362,11 +382,10 @@ class _Rank:
             self._raw.append(raw)
             _HOST_REGIONS.append((raw.data_ptr(), tensor.size))
             inst.pool_register(raw)
-            for name in tensor.shared_by:
+            for name, start, page in _placements(tensor, inst.specs):
                 spec = inst.specs[name]
-                page = spec.page_size_bytes
                 if name in inst.gdn_layers:
-                    views, offset = [], 0
+                    views, offset = [], start
                     for shape, dtype in zip(spec.shapes, spec.dtypes):
                         esize = _torch.tensor([], dtype=dtype).element_size()
                         inner = _np.prod(shape)
@@ -383,8 +402,9 @@ class _Rank:
                     h, d = spec.num_kv_heads, spec.head_size
                     base = raw.view(spec.dtype)
                     esize = base.element_size()
-                    k = base.as_strided((nb, bs, h, d), (page // esize, h * d, d, 1), base.storage_offset())
-                    v = base.as_strided((nb, bs, h, d), (page // esize, h * d, d, 1), base.storage_offset() + page // 2 // esize)
+                    k = base.as_strided((nb, bs, h, d), (page // esize, h * d, d, 1), base.storage_offset() + start // esize)
+                    half = spec.page_size_bytes // 2
+                    v = base.as_strided((nb, bs, h, d), (page // esize, h * d, d, 1), base.storage_offset() + (start + half) // esize)
                     layer = _AttentionLayer((k, v))
                     kv_caches[name] = (k, v)
                 self.layers[name] = layer
@@ -597,8 +617,15 @@ class _Rank:
                 set_forward_context(metadata, self.config, slot_mapping={}),
                 rt.runner.maybe_get_kv_connector_output(so, defer_finalize=defer) as kv_output,
             ):
-                rt.runner_module.mamba_utils.do_mamba_copy_block(bufs)
+                # vllm-ascend 0.30's runner: a connector with prepare_mamba_state_copy stages the copy per
+                # layer (after each layer's load) and is told finish_mamba_state_copy after the forward
+                staged = getattr(self.connector, "prepare_mamba_state_copy", None)
+                staged = self.connector if callable(staged) and staged(bufs) else None
+                if staged is None:
+                    rt.runner_module.mamba_utils.do_mamba_copy_block(bufs)
                 self._forward()
+                if staged is not None:
+                    staged.finish_mamba_state_copy()
         out_tokens = []
         for req_id in self.input_batch.req_ids:
             st = self.requests[req_id]
@@ -714,6 +741,8 @@ class PoolInstance:
                 additional_config=dict(additional_config or {}),
             )
             cfg.cache_config.block_size = block_size  # as EngineCore sets it from the KV cache groups
+            if hasattr(cfg.cache_config, "get_resolved_kv_cache_layout"):  # vLLM 0.30: EngineCore resolves
+                cfg.cache_config.kv_cache_layout = "LBNHC"  # one layout (NHD: the harness's K/V views)
             return cfg
 
         self.configs = [config(r) for r in range(tp)]
@@ -740,7 +769,13 @@ class PoolInstance:
         sched_cfg = generate_scheduler_kv_cache_config(worker_cfgs)
         self.group_of = {n: g for g, grp in enumerate(self.kv_cache_config.kv_cache_groups) for n in grp.layer_names}
         model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-        self.copy_funcs = model_cls.get_mamba_state_copy_func()
+        if hasattr(model_cls, "get_mamba_state_copy_funcs"):  # vLLM 0.30: by mamba type (the runner's own call)
+            from vllm.v1.worker import mamba_utils as _mamba_utils
+
+            types = {spec.mamba_type for spec in _mamba_utils.get_mamba_groups(self.kv_cache_config)}
+            self.copy_funcs = model_cls.get_mamba_state_copy_funcs(types)
+        else:
+            self.copy_funcs = model_cls.get_mamba_state_copy_func()
 
         if pool is not None:
             byte_store.install(pool)

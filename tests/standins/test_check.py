@@ -170,7 +170,7 @@ V030_FIXED = (
     "guard_wait", "guard_save", "gdn_layerwise", "mamba_precopy_rows", "mamba_precopy_defer",
     "postprocess_kernel", "postprocess_v2_out_buffer",
 )
-V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool")
+V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool", "pool_hit_boundary", "pool_key_tp")
 
 
 def _v030_states() -> dict[str, str]:

@@ -36,9 +36,14 @@ def test_ranges(vllm, ascend, admitted):
 # or a detector there; the release candidates in between are refused by every group, never installed
 from ascend_layerwise_patch.patches import SPECS as ALL_SPECS  # noqa: E402
 from ascend_layerwise_patch.patches import mamba_local_hit
+from ascend_layerwise_patch.patches import pool_hit_boundary, pool_key_tp  # noqa: E402
 from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy  # noqa: E402
 
-ON_030 = {s.name for m in (connector_guards, gdn_layerwise, mamba_precopy, postprocess_kernel, mamba_local_hit) for s in m.SPECS}
+ON_030 = {
+    s.name
+    for m in (connector_guards, gdn_layerwise, mamba_precopy, postprocess_kernel, mamba_local_hit, pool_hit_boundary, pool_key_tp)
+    for s in m.SPECS
+}
 
 
 def _admitted(spec, vllm, ascend):
