@@ -519,6 +519,8 @@ class _Rank:
             value = state_value(tokens[: done + n], layer, key, nbytes)
             if not ok:  # computed on the wrong state: so is everything after
                 value = state_value([*tokens[: done + n], -1, *raw[:16]], layer, key, nbytes)
+            if block_id == 0:  # vLLM's null block (BlockPool's first): shared by every request
+                inst.null_writes.append((inst.steps, req_id, name))
             self._write_block(tensors, block_id, value)
 
     def attention(self, query, layer_name):
@@ -795,10 +797,15 @@ class PoolInstance:
             log_stats=False,
         )
         self.reads: list[GDNRead] = []
+        #: (step, request, layer) of every state a GDN layer wrote into the null block (block 0)
+        self.null_writes: list[tuple[int, str, str]] = []
         self.kv_outputs: list = []
         self.steps = 0
         self.outputs: dict[str, list[int]] = {}
         self.after_schedule = None  # callable(inst, scheduler_output): runs before the ranks execute
+        #: callable(inst, scheduler_output, output): runs on the aggregated output before the scheduler
+        #: is updated from it (EngineCore.step; sync scheduling only), e.g. to add a connector report
+        self.before_update = None
         #: async scheduling: EngineCore's batch queue (depth 2, as with async_scheduling and no PP)
         self.batch_queue_size = 2 if async_scheduling else 0
         self.batch_queue: collections.deque = collections.deque()
@@ -891,6 +898,8 @@ class PoolInstance:
             # step of every instance in this process would report it again (stale completed events)
             outputs.append(copy.copy(rank.execute(copy.deepcopy(so))))
         output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
+        if self.before_update is not None:
+            self.before_update(self, so, output)
         self.kv_outputs.append(output.kv_connector_output)  # what the scheduler is told, per step
         for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
             if toks:
