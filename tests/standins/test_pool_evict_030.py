@@ -16,9 +16,11 @@ hybrid request's reported blocks is pinned below with the report added to the st
 that did succeed, so the step's reads stay right) -- under ``fail`` the request ends with an error (its
 blocks evicted and freed: right, but not a recovery); under ``recompute`` it is rolled back to 0 *in
 place*: its blocks stay in the prefix cache (a later local hit is served state never loaded) and its
-align-mode mamba block table keeps the null block below the hit, so a chunked recompute writes and
-reads its GDN state in the shared null block. A correct recompute needs the preempting rollback 0.25
-needed (patches/load_failures/rollback.py), not a report.
+align-mode mamba block table keeps null blocks where align mode freed the state, so the recompute
+(block-aligned chunks) writes its GDN state into the shared null block and copies it back out: with
+two such requests one computes on the other's state. A correct recompute needs the preempting
+rollback 0.25 needed (patches/load_failures/rollback.py), not a report; vLLM 0.29 (v0290) cannot take
+a hybrid report at all (its ``_update_requests_with_invalid_blocks`` unpacks one group).
 
 On the pool harness running vLLM 0.30.0 + vllm-ascend 0.30.0rc2 (v0300 only: see
 test_pool_hit_boundary.py for v0290).
