@@ -1,0 +1,56 @@
+"""0.30: a hybrid request whose pool load fails is recomputed (or failed alone); the engine goes on.
+
+Target   vllm_ascend...ascend_store.pool_worker: KVPoolWorker._prepare_load_gvas,
+         KVPoolWorker.prepare_layerwise_step                                     (worker half)
+         vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks           (scheduler half)
+         vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.get_num_new_matched_tokens
+                                                                                  (no reload)
+         vllm_ascend.platform:_validate_kv_load_failure_policy                   (own group,
+         ``pool_load_recovery_policy``: the platform is imported long before the others resolve)
+Versions vLLM >=0.30,<0.31 (0.30.0); vllm-ascend >=0.30,<0.31 (0.30.0rc2). Not vLLM 0.29: its
+         ``_update_requests_with_invalid_blocks`` unpacks one KV cache group, so a hybrid report
+         raises in the scheduler (on v0290 these groups are ``skipped: version out of range``; the
+         engine stops on a failed hybrid load there, as upstream does). On 0.25 the same defects are
+         load_failures' (different code).
+Why      vllm-ascend 0.30 fails fast on a failed hybrid (GDN + attention) load: a pool key evicted
+         between the scheduler's hit check and the worker's load makes ``_prepare_load_gvas``
+         raise ("Layerwise multi-group KV load failed and cannot safely fall back to per-block
+         recomputation") out of ``execute_model`` -- the engine ends, every request with it.
+         vLLM 0.30's scheduler can take a hybrid report, but under ``recompute`` it rewinds the
+         request in place (``num_computed_tokens = 0``): it keeps the align-mode block table (null
+         blocks below the state, so the recompute writes GDN state into the shared null block and
+         reads it back: 6 wrong GDN reads of 16 with two requests, notes/i25e.md) and keeps the
+         reported blocks in the prefix cache (a later local hit reads state never loaded); and
+         vllm-ascend's platform refuses ``recompute`` for hybrid models.
+How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a time; where upstream
+         would raise for a request (a key missing or unleasable), that request loads nothing this
+         step (``load_spec.can_load = False``), its read leases are released -- except keys another
+         request of the step holds, which keep their lease -- and dropped from the step's lease
+         cache (a later request of the step leases them anew); every hit block of every group of it
+         goes to ``_invalid_block_ids`` (what ``get_block_ids_with_load_errors`` reports this step),
+         logged at WARNING. The failed step saves nothing for it: its save ranges are taken out of
+         the step's layer save tasks and ``can_save`` cleared before the save keys are allocated
+         (no key is put, none made ready); under async scheduling it stays marked, and saves
+         nothing, until its preemption or end reaches the worker.
+         Scheduler: under ``recompute``, a multi-group request vLLM rolled back is preempted
+         (vLLM's ``_preempt_request``, ``drop_stale_output``: in-flight frames are discarded, as
+         ``reset_prefix_cache`` does) after every non-null block of every group of it is evicted
+         from the prefix cache: it resumes with a fresh block table (no null block below the resume
+         point) and recomputes its prompt; it never asks the pool again (no reload: a store that
+         keeps failing would otherwise preempt it at every resume). Under ``fail`` vLLM 0.30 already
+         ends just that request with an error and evicts its blocks (unchanged).
+         Policy: with ``pool_load_recovery`` in force (applied or pending) the platform accepts
+         ``kv_load_failure_policy=recompute`` for hybrid models; otherwise its refusal stands.
+Not done A load copy that fails (the layer receiving thread's fatal error, ``raise_if_failed``)
+         still stops the engine, as upstream does: not turned into a report here.
+Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request (worker half) and
+         ``_handle_invalid_blocks`` preempts the affected requests itself (scheduler half): each
+         detected, the group skips itself.
+"""
+
+from __future__ import annotations
+
+from . import policy, scheduler, worker
+from ._common import GROUP, POLICY_GROUP  # noqa: F401
+
+SPECS = (*worker.SPECS, *scheduler.SPECS, *policy.SPECS)

@@ -1,0 +1,239 @@
+"""Worker half of ``pool_load_recovery``: a hybrid request whose pool keys cannot be leased for the
+load is reported (every hit block of every group) instead of raising; it loads and saves nothing
+in that step. The package docstring says why."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+from ...host import logger
+from .._checks import expects as _expects
+from .._checks import source as _source
+from .._targets import STORE
+from ._common import spec
+
+WORKER = f"{STORE}.pool_worker:KVPoolWorker"
+#: what upstream raises for a hybrid request with a missing or unleasable key
+FAIL_FAST = "safely fall back to per-block recomputation"
+#: worker: {req_id} of requests whose load failed, saving nothing until their preemption or end arrives
+_FAILED = "_ascend_layerwise_patch_failed_loads"
+
+_COUNTS = {"failed_loads_reported": 0, "blocks_reported": 0, "saves_dropped": 0}
+_LOCK = threading.Lock()
+
+
+def _count(name: str, n: int = 1) -> None:
+    with _LOCK:
+        _COUNTS[name] += n
+
+
+def counters() -> dict[str, int]:
+    with _LOCK:
+        return dict(_COUNTS)
+
+
+class _HeldReleases:
+    """The worker's store for one ``_prepare_load_gvas`` call: lease releases asked for by this
+    thread are held (the caller decides which to make), everything else goes to the store."""
+
+    def __init__(self, store):
+        self._store = store
+        self._thread = threading.get_ident()
+        self.held: list[str] = []
+
+    def batch_remove_lease(self, keys, *args, **kwargs):
+        if threading.get_ident() != self._thread:
+            return self._store.batch_remove_lease(keys, *args, **kwargs)
+        self.held.extend(keys)
+        return None  # upstream raises right after; the result is not read
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _hit_blocks(worker, request) -> list[int]:
+    """The request's block ids, in every cacheable group, from vLLM's own hit up to the end of the
+    pool hit (the partial block included): what the failed load would have written. Null blocks
+    (0) are not the request's."""
+    spec_ = request.load_spec
+    cached = spec_.kvpool_cached_tokens
+    if not getattr(worker, "use_eagle", False) and spec_.kvpool_store_skip_tokens is not None:
+        cached = spec_.kvpool_store_skip_tokens
+    groups = request.block_ids_by_group_np
+    blocks: list[int] = []
+    for group_id in range(worker.num_kv_cache_groups):
+        if group_id not in worker.cacheable_group_ids:
+            continue
+        ids = groups[group_id] if groups is not None and group_id < len(groups) else request.block_ids_np
+        if ids is None:
+            continue
+        size = worker.grouped_block_size[group_id]
+        start = 0 if worker.layerwise_offload else spec_.vllm_cached_tokens // size
+        end = min(-(-cached // size), len(ids))
+        blocks.extend(int(b) for b in ids[start:end] if int(b) != 0)
+    return sorted(set(blocks))
+
+
+def _drop_saves(worker, request) -> int:
+    """Take ``request``'s ranges out of the step's layer save tasks (built before the load is
+    prepared) and clear its ``can_save`` before the save keys are allocated: nothing is put for it."""
+    dropped = 0
+    for layer, tasks in enumerate(worker.layer_save_tasks):
+        kept = []
+        for task in tasks:
+            ranges = [r for r in task.block_ranges if r.request is not request]
+            dropped += len(task.block_ranges) - len(ranges)
+            if ranges:
+                task.block_ranges = ranges
+                kept.append(task)
+        if len(kept) != len(tasks):
+            worker.layer_save_tasks[layer] = kept
+    request.can_save = False
+    return dropped
+
+
+def make_prepare_load(original):
+    """Hybrid workers: upstream's ``_prepare_load_gvas`` one request at a time; a request it would
+    raise for (a key evicted or unleasable between the hit check and the load) loads nothing, its
+    leases are released (not those another request of the step holds) and dropped from the step's
+    lease cache, its hit blocks of every group are reported as invalid, and it saves nothing this
+    step. Requests marked failed in an earlier step (async scheduling: scheduled before the failure
+    was known) save nothing either."""
+
+    @functools.wraps(original)
+    def _prepare_load_gvas(self, requests):
+        if getattr(self, "num_kv_cache_groups", 1) <= 1 or not getattr(self, "use_layerwise_transfer", False):
+            return original(self, requests)
+        if "m_store" not in self.__dict__:
+            return original(self, requests)
+        failed = self.__dict__.setdefault(_FAILED, set())
+        done: list = []
+        for request in requests:
+            if request.req_id in failed:
+                _count("saves_dropped", _drop_saves(self, request))
+            held = _HeldReleases(self.m_store)
+            own = self.__dict__
+            store = own.get("m_store")
+            own["m_store"] = held
+            try:
+                original(self, [request])
+            except RuntimeError as exc:
+                own["m_store"] = store
+                if FAIL_FAST not in str(exc):
+                    if held.held:
+                        store.batch_remove_lease(list(dict.fromkeys(held.held)))
+                    raise
+                _recover(self, request, held.held, done, failed)
+                continue
+            except BaseException:
+                own["m_store"] = store
+                if held.held:
+                    store.batch_remove_lease(list(dict.fromkeys(held.held)))
+                raise
+            own["m_store"] = store
+            if held.held:  # not upstream's flow today (it releases only before raising): release them
+                store.batch_remove_lease(list(dict.fromkeys(held.held)))
+            done.append(request)
+
+    return _prepare_load_gvas
+
+
+def _recover(worker, request, released: list[str], done: list, failed: set) -> None:
+    others = {k for r in done for k in (getattr(r, "load_keys", None) or ())}
+    release = [k for k in dict.fromkeys(released) if k not in others]
+    if release:
+        worker.m_store.batch_remove_lease(release)
+    cache = getattr(worker, "_step_lease_result", None)
+    if cache:
+        for key in release:
+            cache.pop(key, None)
+    blocks = _hit_blocks(worker, request)
+    request.load_spec.can_load = False
+    request.load_keys = []
+    request.load_block_gvas_by_group_np = None
+    dropped = _drop_saves(worker, request)
+    failed.add(request.req_id)
+    with worker._invalid_block_ids_lock:
+        worker._invalid_block_ids.update(blocks)
+    _count("failed_loads_reported")
+    _count("blocks_reported", len(blocks))
+    _count("saves_dropped", dropped)
+    logger().warning(
+        "ascend_layerwise_patch: KV pool load of request %s failed (a key was evicted or could not be leased "
+        "after the hit check); nothing is loaded or saved for it in this step, its blocks %s (every KV cache "
+        "group) are reported as failed: vLLM recomputes it (kv_load_failure_policy=recompute) or ends it with "
+        "an error (fail)",
+        request.req_id,
+        blocks,
+    )
+
+
+def make_prepare_step(original):
+    """A request marked failed stops being so once its preemption or end reaches the worker (the
+    step's ``released_req_ids``, or ``preempted_req_ids``): its resume is a new request."""
+
+    @functools.wraps(original)
+    def prepare_layerwise_step(self, metadata):
+        failed = self.__dict__.get(_FAILED)
+        if failed:
+            failed -= set(getattr(metadata, "released_req_ids", None) or ())
+            failed -= set(getattr(metadata, "preempted_req_ids", None) or ())
+        return original(self, metadata)
+
+    return prepare_layerwise_step
+
+
+def _prepare_load_ok(original) -> str | None:
+    problem = _expects(
+        ["self", "requests"],
+        needs=(FAIL_FAST, "batch_remove_lease", "_step_lease_result", "_invalid_block_ids", "load_keys", "self.m_store"),
+    )(original)
+    if problem:
+        return problem
+    import importlib
+
+    module, _, cls = WORKER.partition(":")
+    worker = getattr(importlib.import_module(module), cls)
+    text = _source(getattr(worker, "process_layer_data", None))
+    saves, load, alloc = (text.find(name) for name in ("_process_save_for_layer_batch(", "_prepare_load_gvas(", "_alloc_gvas_for_save("))
+    if min(saves, load, alloc) < 0 or not saves < load < alloc:
+        return "KVPoolWorker.process_layer_data no longer builds save tasks, then prepares loads, then allocates saves"
+    return None
+
+
+def _upstream_reports(original) -> str | None:
+    if FAIL_FAST not in _source(original):
+        return "KVPoolWorker._prepare_load_gvas no longer raises for a hybrid request with a failed key"
+    return None
+
+
+def _upstream_reports_step(_original) -> str | None:
+    import importlib
+
+    module, _, cls = WORKER.partition(":")
+    return _upstream_reports(getattr(importlib.import_module(module), cls)._prepare_load_gvas)
+
+
+SPECS = (
+    spec(
+        "pool_load_report",
+        f"{WORKER}._prepare_load_gvas",
+        make_prepare_load,
+        _prepare_load_ok,
+        _upstream_reports,
+        counters=counters,
+        after=("mamba_pool_null_loads", "mamba_pool_resume_load"),  # mamba_pool_hit (vllm-ascend <0.26): never both in range
+        why="a hybrid request whose pool key is evicted before its load is reported (every group's hit blocks) "
+        "and loads and saves nothing, instead of raising out of execute_model",
+    ),
+    spec(
+        "pool_load_report_step",
+        f"{WORKER}.prepare_layerwise_step",
+        make_prepare_step,
+        _expects(["self", "metadata"], needs=("process_layer_data",)),
+        _upstream_reports_step,
+        why="a request whose pool load failed saves nothing until its preemption or end reaches the worker",
+        risk="under async scheduling the step after a failed load saves keys computed on the unloaded state",
+    ),
+)

@@ -1,0 +1,190 @@
+"""Issue 25 follow-up (f), vllm-ascend 0.30.0rc2 + vLLM 0.30.0: a failed hybrid pool load costs time only
+(``pool_load_recovery``, ``pool_load_recovery_policy``).
+
+Instance A fills the pool with two 40-token prompts; instance B (policy ``recompute``) asks for two
+requests b1 / b2, each a 32-token pool hit (2 blocks of 16) and 24 tokens after it, and pool keys
+are evicted between B's schedule and its load (all keys, only the GDN group's, only the attention
+group's, or only b1's prefix). Library off (the groups skipped; test_pool_evict_030.py pins the rest):
+the worker raises and the engine ends. Library on: every request finishes with the tokens of a run
+without a pool hit, no token of the failed step is delivered, nothing read after the failed step is
+wrong, no GDN state is written into the null block, no key the failed step saved is ready, every
+read lease is released, and a request c with b1's prompt as prefix, run on B afterwards, reads
+nothing stale. On the pool harness (tests/standins/harness_pool.py), v0300 only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support import PAIR
+
+PAIRS = ("v0300",)
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+import ascend_layerwise_patch  # noqa: E402
+from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+A1 = list(range(1000, 1040))
+A2 = list(range(2000, 2040))
+TWO = {"b1": A1[:32] + list(range(7, 31)), "b2": A2[:32] + list(range(40, 64))}
+#: async scheduling: B prefills in 16-token chunks, so the step after the failed one (scheduled before the
+#: failure is known: 48..64) saves a full block (32..48) computed on the state that was never loaded
+TWO_ASYNC = {"b1": A1[:32] + list(range(7, 39)) + [1, 2], "b2": A2[:32] + list(range(40, 72)) + [3, 4]}
+C = TWO["b1"] + list(range(300, 310))  # b1's prompt as prefix: a local hit on B after the failure
+C_ASYNC = TWO_ASYNC["b1"] + list(range(300, 310))
+MAX_TOKENS = 3
+SKIP = {"ASCEND_LAYERWISE_PATCH_SKIP": "pool_load_recovery,pool_load_recovery_policy"}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    inst = PoolInstance(None, name="reference")
+    prompts = {**TWO, "c": C, **{f"{r}-async": p for r, p in TWO_ASYNC.items()}, "c-async": C_ASYNC}
+    reqs = [inst.add_request(r, p, max_tokens=MAX_TOKENS) for r, p in prompts.items()]
+    engine_loop(inst)
+    return {r.request_id: list(r.output_token_ids) for r in reqs}
+
+
+@pytest.fixture
+def library_off():
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    reg.activate(environ={**os.environ, **SKIP})
+    try:
+        yield
+    finally:
+        reg.revert()
+        reg.activate()
+
+
+class Run:
+    """A fills the pool (a1 then a2); B runs b1 and b2 with ``evict`` keys gone after its first
+    schedule: "all", "gdn", "attn" (one group's keys of both prefixes) or "b1" (b1's prefix only)."""
+
+    def __init__(self, evict: str, policy: str = "recompute", scheduling: str = "sync"):
+        self.asy = asy = scheduling == "async"
+        self.prompts = TWO_ASYNC if asy else TWO
+        self.computed_on_failure = 2 if asy else 1  # batches computed before the failure is known
+        self.pool = pool = make_pool()
+        a = PoolInstance(pool, name="A")
+        a.add_request("a1", A1)
+        engine_loop(a)
+        a1_keys = set(pool.blobs)
+        a.add_request("a2", A2)
+        engine_loop(a)
+        self.b = b = PoolInstance(
+            pool, name="B", kv_load_failure_policy=policy, async_scheduling=asy, long_prefill_token_threshold=16 if asy else 0
+        )
+        gdn = str(b.group_of[b.gdn_layers[0]])
+        match = {
+            "all": lambda key: True,
+            "gdn": lambda key: key.split("@")[1] == gdn,
+            "attn": lambda key: key.split("@")[1] != gdn,
+            "b1": lambda key: key in a1_keys,
+        }[evict]
+        self.evicted: list[str] = []
+        self.before = {}
+        self.failed_step_keys: list[str] = []
+        self.after_failed_step: dict[str, int] = {}
+
+        def after_schedule(inst, so):
+            if inst.steps == 0:
+                self.evicted.extend(pool.evict(match))
+                self.before = dict(pool.blobs)
+
+        def on_step(inst, so):
+            if inst.steps == self.computed_on_failure and not self.after_failed_step:
+                self.failed_step_keys = [k for k, blob in pool.blobs.items() if self.before.get(k) is not blob]
+                self.after_failed_step = {r.request_id: len(r.output_token_ids) for r in self.reqs}
+
+        b.after_schedule = after_schedule
+        self.reqs = [b.add_request(r, p, max_tokens=MAX_TOKENS) for r, p in self.prompts.items()]
+        engine_loop(b, on_step=on_step)
+        self.tokens = {r.request_id: list(r.output_token_ids) for r in self.reqs}
+
+    def wrong_after_failed_step(self) -> list:
+        """B's reads after the failed step (the failed step's own output is never delivered)."""
+        return [r for kind in ("gdn", "attn") for r in self.b.wrong_reads(kind=kind) if r.step >= self.computed_on_failure]
+
+    def ready_failed_step_keys(self) -> list[str]:
+        return [k for k in self.failed_step_keys if self.pool.blobs.get(k) is not None and self.pool.blobs[k].state == "ready"]
+
+    def leases(self) -> int:
+        return sum(blob.leases for blob in self.pool.blobs.values())
+
+    def then_c(self) -> list:
+        """c (b1's prompt + 10) after the failure on B (a local hit of b1's blocks) and on a new
+        instance D (a pool hit of what B saved): their wrong reads."""
+        prompt = C_ASYNC if self.asy else C
+        req = self.b.add_request("c", prompt, max_tokens=MAX_TOKENS)
+        engine_loop(self.b)
+        self.d = d = PoolInstance(self.pool, name="D")
+        req_d = d.add_request("c", prompt, max_tokens=MAX_TOKENS)
+        engine_loop(d)
+        self.tokens["c"] = list(req.output_token_ids)
+        self.tokens["c-d"] = list(req_d.output_token_ids)
+        assert d.reads_of("c", step=0)  # D computed c (a pool hit or not)
+        return [r for inst in (self.b, d) for kind in ("gdn", "attn") for r in inst.wrong_reads("c", kind=kind)]
+
+
+@pytest.mark.parametrize("evict", ["all", "gdn", "attn"])
+def test_library_off_an_eviction_before_the_load_ends_the_engine(library_off, evict):
+    with pytest.raises(RuntimeError, match="cannot safely fall back to per-block recomputation"):
+        Run(evict, policy="fail")  # the only policy vllm-ascend accepts for a hybrid model:
+    with pytest.raises(Exception, match="(?i)recompute|hybrid"):  # vllm-ascend refuses recompute for hybrids
+        PoolInstance(make_pool(), name="refused", kv_load_failure_policy="recompute")
+
+
+@pytest.mark.parametrize("evict,scheduling", [("all", "sync"), ("gdn", "sync"), ("attn", "sync"), ("b1", "sync"), ("all", "async")])
+def test_an_eviction_before_the_load_is_recomputed(reference, evict, scheduling):
+    run = Run(evict, scheduling=scheduling)
+    b = run.b
+    sfx = "-async" if run.asy else ""
+    failed = ["b1"] if evict == "b1" else ["b1", "b2"]
+    assert run.evicted
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in run.reqs), [r.status for r in run.reqs]
+    assert run.tokens == {r: reference[r + sfx] for r in TWO}  # as a run without a pool hit
+    assert [run.after_failed_step[r] for r in failed] == [0] * len(failed)  # the failed step's token dropped
+    assert all(r.num_preemptions == (r.request_id in failed) for r in run.reqs)
+    assert run.wrong_after_failed_step() == [] and b.null_writes == []
+    if evict == "b1":  # b2's load was right and its lease kept
+        assert b.reads_of("b2", step=0) and all(r.ok for r in b.reads_of("b2", step=0) + b.reads_of("b2", step=0, kind="attn"))
+    assert run.ready_failed_step_keys() == [] and run.leases() == 0
+    assert run.then_c() == [] and run.tokens["c"] == run.tokens["c-d"] == reference["c" + sfx]
+    wrong0 = [r for kind in ("gdn", "attn") for r in b.wrong_reads(kind=kind) if r.step < run.computed_on_failure]
+    print(f"\n{evict} {scheduling}: {len(run.evicted)} keys evicted; failed-step reads discarded: {len(wrong0)} wrong; after it: "
+          f"{len(run.wrong_after_failed_step())} wrong of {len(b.reads_of()) + len(b.reads_of(kind='attn'))}; "
+          f"null writes {len(b.null_writes)}; failed-step keys {len(run.failed_step_keys)}, ready {len(run.ready_failed_step_keys())}")
+
+
+def test_under_fail_only_the_failed_request_ends(reference):
+    run = Run("b1", policy="fail")
+    status = {r.request_id: r.status for r in run.reqs}
+    assert status == {"b1": RequestStatus.FINISHED_ERROR, "b2": RequestStatus.FINISHED_LENGTH_CAPPED}
+    assert run.tokens["b1"] == [] and run.tokens["b2"] == reference["b2"]
+    assert run.wrong_after_failed_step() == [] and run.b.null_writes == [] and run.leases() == 0
+    assert run.then_c() == [] and run.tokens["c"] == run.tokens["c-d"] == reference["c"]
+
+
+def test_the_async_step_after_a_failed_load_saves_nothing(monkeypatch, reference):
+    """Async scheduling: the step after the failed one was scheduled before the failure was known and
+    saves a block computed on the unloaded state. With its saves kept (the worker's drop turned off
+    here), that block is published: a later pool hit reads it. With the library it saves nothing."""
+    from ascend_layerwise_patch.patches.pool_load_recovery import worker
+
+    before = worker.counters()["saves_dropped"]
+    run = Run("all", scheduling="async")
+    dropped = worker.counters()["saves_dropped"] - before
+    assert dropped and run.then_c() == [] and run.ready_failed_step_keys() == []
+    monkeypatch.setattr(worker, "_drop_saves", lambda _worker, _request: 0)
+    kept = Run("all", scheduling="async")
+    wrong = kept.then_c()
+    print(f"\nasync, the failed requests' saves kept: {len(kept.ready_failed_step_keys())} keys of the steps computed on "
+          f"the failure made ready, c reads {len(wrong)} wrong; dropped (library): {dropped} save ranges, 0 wrong")
+    assert kept.ready_failed_step_keys() and wrong
