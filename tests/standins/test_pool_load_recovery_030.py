@@ -25,6 +25,7 @@ if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 import ascend_layerwise_patch  # noqa: E402
+from byte_store import G2L  # noqa: E402
 from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -87,7 +88,9 @@ class Run:
             "gdn": lambda key: key.split("@")[1] == gdn,
             "attn": lambda key: key.split("@")[1] != gdn,
             "b1": lambda key: key in a1_keys,
+            "copy": None,  # nothing evicted: the first GDN load copy returns an error
         }[evict]
+        self.fault = pool.add_fault("error", direction=G2L, times=1, match=lambda key: key.split("@")[1] == gdn) if match is None else None
         self.evicted: list[str] = []
         self.before = {}
         self.failed_step_keys: list[str] = []
@@ -95,7 +98,7 @@ class Run:
 
         def after_schedule(inst, so):
             if inst.steps == 0:
-                self.evicted.extend(pool.evict(match))
+                self.evicted.extend(pool.evict(match) if match is not None else ())
                 self.before = dict(pool.blobs)
 
         def on_step(inst, so):
@@ -141,13 +144,15 @@ def test_library_off_an_eviction_before_the_load_ends_the_engine(library_off, ev
         PoolInstance(make_pool(), name="refused", kv_load_failure_policy="recompute")
 
 
-@pytest.mark.parametrize("evict,scheduling", [("all", "sync"), ("gdn", "sync"), ("attn", "sync"), ("b1", "sync"), ("all", "async")])
+@pytest.mark.parametrize(
+    "evict,scheduling", [("all", "sync"), ("gdn", "sync"), ("attn", "sync"), ("b1", "sync"), ("all", "async"), ("copy", "sync"), ("copy", "async")]
+)
 def test_an_eviction_before_the_load_is_recomputed(reference, evict, scheduling):
     run = Run(evict, scheduling=scheduling)
     b = run.b
     sfx = "-async" if run.asy else ""
     failed = ["b1"] if evict == "b1" else ["b1", "b2"]
-    assert run.evicted
+    assert run.evicted or run.fault.hits == 1
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in run.reqs), [r.status for r in run.reqs]
     assert run.tokens == {r: reference[r + sfx] for r in TWO}  # as a run without a pool hit
     assert [run.after_failed_step[r] for r in failed] == [0] * len(failed)  # the failed step's token dropped
@@ -158,7 +163,7 @@ def test_an_eviction_before_the_load_is_recomputed(reference, evict, scheduling)
     assert run.ready_failed_step_keys() == [] and run.leases() == 0
     assert run.then_c() == [] and run.tokens["c"] == run.tokens["c-d"] == reference["c" + sfx]
     wrong0 = [r for kind in ("gdn", "attn") for r in b.wrong_reads(kind=kind) if r.step < run.computed_on_failure]
-    print(f"\n{evict} {scheduling}: {len(run.evicted)} keys evicted; failed-step reads discarded: {len(wrong0)} wrong; after it: "
+    print(f"\n{evict} {scheduling}: {len(run.evicted)} keys evicted, {run.fault.hits if run.fault else 0} copies failed; failed-step reads discarded: {len(wrong0)} wrong; after it: "
           f"{len(run.wrong_after_failed_step())} wrong of {len(b.reads_of()) + len(b.reads_of(kind='attn'))}; "
           f"null writes {len(b.null_writes)}; failed-step keys {len(run.failed_step_keys)}, ready {len(run.ready_failed_step_keys())}")
 

@@ -1,10 +1,11 @@
 """0.30: a hybrid request whose pool load fails is recomputed (or failed alone); the engine goes on.
 
 Target   vllm_ascend...ascend_store.pool_worker: KVPoolWorker._prepare_load_gvas,
-         KVPoolWorker.prepare_layerwise_step                                     (worker half)
-         vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks           (scheduler half)
-         vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.get_num_new_matched_tokens
-                                                                                  (no reload)
+         KVPoolWorker.prepare_layerwise_step; ascend_store.kv_transfer:
+         KVCacheStoreLayerRecvingThread._handle_request                          (worker half)
+         vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks;
+         vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.build_connector_meta,
+         KVPoolScheduler.get_num_new_matched_tokens                              (scheduler half)
          vllm_ascend.platform:_validate_kv_load_failure_policy                   (own group,
          ``pool_load_recovery_policy``: the platform is imported long before the others resolve)
 Versions vLLM >=0.30,<0.31 (0.30.0); vllm-ascend >=0.30,<0.31 (0.30.0rc2). Not vLLM 0.29: its
@@ -15,7 +16,9 @@ Versions vLLM >=0.30,<0.31 (0.30.0); vllm-ascend >=0.30,<0.31 (0.30.0rc2). Not v
 Why      vllm-ascend 0.30 fails fast on a failed hybrid (GDN + attention) load: a pool key evicted
          between the scheduler's hit check and the worker's load makes ``_prepare_load_gvas``
          raise ("Layerwise multi-group KV load failed and cannot safely fall back to per-block
-         recomputation") out of ``execute_model`` -- the engine ends, every request with it.
+         recomputation") out of ``execute_model``, and a layer load copy that returns an error stops
+         the layer receiving thread (a fatal error the next layer wait raises): the engine ends,
+         every request with it.
          vLLM 0.30's scheduler can take a hybrid report, but under ``recompute`` it rewinds the
          request in place (``num_computed_tokens = 0``): it keeps the align-mode block table (null
          blocks below the state, so the recompute writes GDN state into the shared null block and
@@ -32,20 +35,31 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          the step's layer save tasks and ``can_save`` cleared before the save keys are allocated
          (no key is put, none made ready); under async scheduling it stays marked, and saves
          nothing, until its preemption or end reaches the worker.
+         A layer load copy that returns an error: the receiving thread reports every block of that
+         layer's load ranges (upstream's ``_mark_invalid_transfer_task_blocks``; one batched copy
+         carries every request of the layer, so all are reported), marks those requests failed for
+         the worker (their later saves dropped as above) and runs the layer's bookkeeping as after
+         a copy that succeeded (final layer: leases released, last chunks finished; the layer's
+         event set, ``task_done``) instead of stopping.
          Scheduler: under ``recompute``, a multi-group request vLLM rolled back is preempted
          (vLLM's ``_preempt_request``, ``drop_stale_output``: in-flight frames are discarded, as
          ``reset_prefix_cache`` does) after every non-null block of every group of it is evicted
          from the prefix cache: it resumes with a fresh block table (no null block below the resume
          point) and recomputes its prompt; it never asks the pool again (no reload: a store that
-         keeps failing would otherwise preempt it at every resume). Under ``fail`` vLLM 0.30 already
+         keeps failing would otherwise preempt it at every resume; its re-saves of keys still in the
+         pool are refused by the store: upstream's "alloc_gvas FAIL" ERROR lines, harmless). vllm-ascend's
+         pool scheduler drops (and then raises on) a request preempted outside ``schedule()`` and
+         resumed by the next one (``build_connector_meta``): kept. Under ``fail`` vLLM 0.30 already
          ends just that request with an error and evicts its blocks (unchanged).
          Policy: with ``pool_load_recovery`` in force (applied or pending) the platform accepts
          ``kv_load_failure_policy=recompute`` for hybrid models; otherwise its refusal stands.
-Not done A load copy that fails (the layer receiving thread's fatal error, ``raise_if_failed``)
-         still stops the engine, as upstream does: not turned into a report here.
-Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request (worker half) and
-         ``_handle_invalid_blocks`` preempts the affected requests itself (scheduler half): each
-         detected, the group skips itself.
+Not done A load copy that raises (rather than returning an error), a key-major (block-key) range
+         load that fails, and a layer wait that never ends stay upstream's: the engine stops.
+         Not tested with TP > 1 or pipeline parallelism.
+Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the receiving thread no
+         longer raises for a failed copy (worker half), ``_handle_invalid_blocks`` preempts the
+         affected requests itself and ``build_connector_meta`` tells a resumed request from a
+         preempted one (scheduler half): each detected, the group skips itself.
 """
 
 from __future__ import annotations

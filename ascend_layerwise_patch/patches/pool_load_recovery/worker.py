@@ -18,8 +18,12 @@ WORKER = f"{STORE}.pool_worker:KVPoolWorker"
 FAIL_FAST = "safely fall back to per-block recomputation"
 #: worker: {req_id} of requests whose load failed, saving nothing until their preemption or end arrives
 _FAILED = "_ascend_layerwise_patch_failed_loads"
+#: what the layer receiving thread raises when a layer's load copy returns an error
+COPY_FAILED = "load batch_copy failed with return code"
+#: receiving thread: [req_id] of requests whose copy failed, taken by the worker at its next step
+_FAILED_COPIES = "_ascend_layerwise_patch_failed_copies"
 
-_COUNTS = {"failed_loads_reported": 0, "blocks_reported": 0, "saves_dropped": 0}
+_COUNTS = {"failed_loads_reported": 0, "failed_copies_reported": 0, "blocks_reported": 0, "saves_dropped": 0}
 _LOCK = threading.Lock()
 
 
@@ -175,6 +179,12 @@ def make_prepare_step(original):
 
     @functools.wraps(original)
     def prepare_layerwise_step(self, metadata):
+        thread = getattr(self, "kv_recv_thread", None)
+        copies = thread.__dict__.get(_FAILED_COPIES) if thread is not None else None
+        if copies:  # the previous step's failed copies (recorded before its layer waits returned)
+            failed = self.__dict__.setdefault(_FAILED, set())
+            while copies:
+                failed.add(copies.pop())
         failed = self.__dict__.get(_FAILED)
         if failed:
             failed -= set(getattr(metadata, "released_req_ids", None) or ())
@@ -182,6 +192,80 @@ def make_prepare_step(original):
         return original(self, metadata)
 
     return prepare_layerwise_step
+
+
+def make_recv_handle(original):
+    """The layer receiving thread: a layer's load copy that returns an error is reported -- every
+    block of that layer's load ranges (upstream's own ``_mark_invalid_transfer_task_blocks``), the
+    requests marked failed for the worker -- and the layer's bookkeeping runs as after a copy that
+    succeeded (at the final layer the read leases are released and last chunks finished; the layer's
+    event is set, ``task_done``), instead of the thread recording a fatal error and stopping (which
+    ends the engine at the next layer wait). One batched copy carries every request of the layer:
+    all of them are reported. A copy that raises stays upstream's fatal error."""
+
+    @functools.wraps(original)
+    def _handle_request(self, data):
+        try:
+            return original(self, data)
+        except RuntimeError as exc:
+            tasks = getattr(data, "transfer_tasks", None)
+            if COPY_FAILED not in str(exc) or not tasks or tasks[0].use_key_major_ranges:
+                raise
+        _recover_copy(self, data)
+
+    return _handle_request
+
+
+def _recover_copy(thread, data) -> None:
+    layer_id = data.layer_id
+    tasks = data.transfer_tasks
+    thread._mark_invalid_transfer_task_blocks(tasks)
+    requests = list({id(r.request): r.request for t in tasks for r in t.block_ranges}.values())
+    thread.__dict__.setdefault(_FAILED_COPIES, []).extend(r.req_id for r in requests)
+    try:
+        if layer_id == thread.final_layer_id:
+            keys = list(dict.fromkeys(k for r in requests for k in (getattr(r, "load_keys", None) or ())))
+            if keys:
+                thread.m_store.batch_remove_lease(keys)
+            for request in requests:
+                if getattr(request, "is_last_chunk", False):
+                    thread.set_finished_request(request.req_id)
+    finally:
+        _count("failed_copies_reported")
+        logger().warning(
+            "ascend_layerwise_patch: KV pool load copy of layer %d failed for request(s) %s; their blocks of that "
+            "layer's load are reported as failed (vLLM recomputes or ends them; they save nothing until then)",
+            layer_id,
+            sorted(r.req_id for r in requests),
+        )
+        if not thread.layer_load_finished_events[layer_id].is_set():
+            thread.layer_load_finished_events[layer_id].set()
+        thread.request_queue.task_done()
+        thread.get_event.set()
+
+
+def _recv_ok(original) -> str | None:
+    problem = _expects(
+        ["self", "data"],
+        needs=(COPY_FAILED, "use_key_major_ranges", "final_layer_id", "batch_remove_lease", "set_finished_request",
+               "self.request_queue.task_done()", "self.get_event.set()"),
+    )(original)
+    if problem:
+        return problem
+    cls = original.__globals__.get("KVCacheStoreLayerRecvingThread")
+    if cls is None or not callable(getattr(cls, "_mark_invalid_transfer_task_blocks", None)):
+        return "KVCacheStoreLayerRecvingThread._mark_invalid_transfer_task_blocks is gone"
+    text = _source(original)
+    raised, released = text.find("batch_copy failed with return code"), text.find("batch_remove_lease")
+    if raised < 0 or released < 0 or raised > released:
+        return "the receiving thread no longer raises for a failed copy before its final-layer bookkeeping"
+    return None
+
+
+def _upstream_reports_copies(original) -> str | None:
+    if COPY_FAILED not in _source(original):
+        return "the layer receiving thread no longer raises for a failed load copy"
+    return None
 
 
 def _prepare_load_ok(original) -> str | None:
@@ -216,6 +300,15 @@ def _upstream_reports_step(_original) -> str | None:
 
 
 SPECS = (
+    spec(
+        "pool_load_report_copy",
+        f"{STORE}.kv_transfer:KVCacheStoreLayerRecvingThread._handle_request",
+        make_recv_handle,
+        _recv_ok,
+        _upstream_reports_copies,
+        why="a layerwise load copy that fails is reported for its requests (recompute or fail) instead of "
+        "stopping the receiving thread (and the engine)",
+    ),
     spec(
         "pool_load_report",
         f"{WORKER}._prepare_load_gvas",
