@@ -193,3 +193,44 @@ def test_the_async_step_after_a_failed_load_saves_nothing(monkeypatch, reference
     print(f"\nasync, the failed requests' saves kept: {len(kept.ready_failed_step_keys())} keys of the steps computed on "
           f"the failure made ready, c reads {len(wrong)} wrong; dropped (library): {dropped} save ranges, 0 wrong")
     assert kept.ready_failed_step_keys() and wrong
+
+
+@pytest.mark.parametrize("release", ["library", "upstream"])
+def test_a_failed_request_releases_no_lease_another_request_of_the_step_holds(reference, monkeypatch, release):
+    """b1 (a 32-token hit: the GDN state at 32 + attention blocks 0, 1) and b2 (a 16-token hit: the GDN
+    state at 16 + attention block 0) share attention block 0's key in one step; b1's attention block 1
+    key is evicted (its load keys are leased group by group: GDN, then attention). Upstream releases every key b1 leased before raising, b2's shared one included, and keeps
+    its result in the step's lease cache, so b2 copies it unleased and releases it once more
+    (``PoolService.over_releases``; "upstream": the library's report with upstream's releases); the
+    library re-leases such a key for b2. Either way b2 loads and finishes right, b1 is recomputed."""
+    from ascend_layerwise_patch.patches.pool_load_recovery import worker
+
+    if release == "upstream":
+        monkeypatch.setattr(worker._HeldReleases, "batch_remove_lease", lambda self, keys: self._store.batch_remove_lease(keys))
+    pool = make_pool()
+    a = PoolInstance(pool, name="A")
+    a.add_request("a1", A1)  # attention blocks 0, 1 and the GDN state at 32
+    engine_loop(a)
+    first = set(pool.blobs)
+    a0 = PoolInstance(pool, name="A0")  # no hit (no state at 16 yet): saves the GDN state at 16
+    a0.add_request("a0", A1[:20])
+    engine_loop(a0)
+    b = PoolInstance(pool, name="B", kv_load_failure_policy="recompute")
+    gdn = str(b.group_of[b.gdn_layers[0]])
+    (state_16,) = set(pool.blobs) - first
+    block_0 = state_16.split("@")[2]
+    attn_1 = {k for k in first if k.split("@")[1] != gdn and k.split("@")[2] != block_0}
+    b.after_schedule = lambda inst, so: pool.evict(lambda key: key in attn_1) if inst.steps == 0 else None
+    b1 = b.add_request("b1", TWO["b1"], max_tokens=MAX_TOKENS)
+    b2 = b.add_request("b2", A1[:16] + list(range(500, 520)), max_tokens=MAX_TOKENS)
+    engine_loop(b)
+    assert len(attn_1) == 1 and b.reads_of("b2", step=0)  # b2 loaded its hit in the failed step
+    assert (b1.num_preemptions, b2.num_preemptions) == (1, 0)
+    assert list(b1.output_token_ids) == reference["b1"] and len(b2.output_token_ids) == MAX_TOKENS
+    assert b.wrong_reads("b2") == [] and b.wrong_reads("b2", kind="attn") == []
+    assert [r for kind in ("gdn", "attn") for r in b.wrong_reads("b1", kind=kind) if r.step >= 1] == []
+    assert sum(blob.leases for blob in pool.blobs.values()) == 0
+    if release == "upstream":
+        assert pool.over_releases  # attention block 0's key, released for b1 while b2 still copied it
+    else:
+        assert pool.over_releases == []
