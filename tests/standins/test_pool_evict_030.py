@@ -24,8 +24,8 @@ a hybrid report at all (its ``_update_requests_with_invalid_blocks`` unpacks one
 
 Issue 25 follow-up (f): the library's ``pool_load_recovery`` groups now turn the stop into a report
 and the in-place rollback into evict + preempt (test_pool_load_recovery_030.py); the upstream
-behaviour above is pinned here with those groups skipped (``library_off``, every test but the last,
-which reruns the reported-failure case with them on: no null-block write, no wrong read).
+behaviour above is pinned here with those groups skipped (``library_off``, module-wide: every test
+but the first, which runs the reported-failure case with them on: no null-block write, no wrong read).
 
 On the pool harness running vLLM 0.30.0 + vllm-ascend 0.30.0rc2 (v0300 only: see
 test_pool_hit_boundary.py for v0290).
@@ -55,8 +55,8 @@ pytestmark = pytest.mark.pairs(*PAIRS)
 SKIP = {"ASCEND_LAYERWISE_PATCH_SKIP": "pool_load_recovery,pool_load_recovery_policy"}
 
 
-@pytest.fixture
-def library_off():
+@pytest.fixture(scope="module")
+def library_off():  # module-wide: one revert / activate (the only library-on test runs first, below)
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     reg.activate(environ={**os.environ, **SKIP})
@@ -87,6 +87,18 @@ def _of_group(inst, which: str):
     return lambda key: True
 
 
+def test_reported_hybrid_load_failure_under_recompute_with_the_library_preempts(reference):
+    """Library on (runs before the module-wide ``library_off`` is first taken). The report of the
+    last test with ``pool_load_rollback`` on: both requests preempted (fresh block tables,
+    blocks evicted from the prefix cache), recomputed from 0 without the pool: no null-block write,
+    no wrong read, the reference tokens."""
+    b, reqs, seen = _reported("recompute")
+    assert seen["computed"] == [0, 0] and seen["still_cached"] == set()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.num_preemptions == 1 for r in reqs)
+    assert {r.request_id: list(r.output_token_ids) for r in reqs} == reference
+    assert b.null_writes == [] and b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
+
+
 def test_hit_cache_is_off_the_hybrid_path_and_an_eviction_before_the_load_raises(library_off):
     pool = _filled_pool()
     b = PoolInstance(pool, name="B")
@@ -97,6 +109,8 @@ def test_hit_cache_is_off_the_hybrid_path_and_an_eviction_before_the_load_raises
     b.add_request("b", A[:32] + [7, 8, 9, 10, 11])
     with pytest.raises(RuntimeError, match="cannot safely fall back to per-block recomputation"):
         engine_loop(b)
+    with pytest.raises(Exception, match="(?i)recompute"):  # vllm-ascend refuses recompute for hybrid models
+        PoolInstance(make_pool(), name="refused", kv_load_failure_policy="recompute")
     assert evicted and not sched._lw_block_hit_cache  # the hit (32 tokens) was asked of the store, never cached
     assert not b.reads_of("b") and not b.reads_of("b", kind="attn")  # nothing computed on what was missing
 
@@ -199,13 +213,3 @@ def test_reported_hybrid_load_failure_under_recompute_rolls_back_in_place(librar
     assert len(b.null_writes) == 2 * len(b.gdn_layers)
     assert wrong and {r.block_id for r in wrong} != {0}  # a request read the other's state, copied out of the null block
 
-
-def test_reported_hybrid_load_failure_under_recompute_with_the_library_preempts(reference):
-    """The same report with ``pool_load_rollback`` on: both requests preempted (fresh block tables,
-    blocks evicted from the prefix cache), recomputed from 0 without the pool: no null-block write,
-    no wrong read, the reference tokens."""
-    b, reqs, seen = _reported("recompute")
-    assert seen["computed"] == [0, 0] and seen["still_cached"] == set()
-    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.num_preemptions == 1 for r in reqs)
-    assert {r.request_id: list(r.output_token_ids) for r in reqs} == reference
-    assert b.null_writes == [] and b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
