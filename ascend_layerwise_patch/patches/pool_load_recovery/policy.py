@@ -19,9 +19,9 @@ def make_policy_check(original, context):
     @functools.wraps(original)
     def _validate_kv_load_failure_policy(vllm_config):
         kv = vllm_config.kv_transfer_config
-        if kv is not None and getattr(kv, "kv_load_failure_policy", "fail") == "recompute":
-            if getattr(vllm_config.model_config, "is_hybrid", False) and context.in_force(GROUP):
-                return None  # pool_load_recovery rolls hybrid requests back by preemption
+        recompute = kv is not None and getattr(kv, "kv_load_failure_policy", "fail") == "recompute"
+        if recompute and getattr(vllm_config.model_config, "is_hybrid", False) and context.in_force(GROUP):
+            return None  # pool_load_recovery rolls hybrid requests back by preemption
         return original(vllm_config)
 
     return _validate_kv_load_failure_policy

@@ -153,7 +153,7 @@ def _handle_invalid_ok(original) -> str | None:
     )(original)
     if problem:
         return problem
-    cls = getattr(importlib.import_module("vllm.v1.core.sched.scheduler"), "Scheduler")
+    cls = importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler
     update = _source(getattr(cls, "_update_requests_with_invalid_blocks", None))
     if "req_block_ids_per_group" not in update or "num_computed_tokens = 0" not in update:
         return "Scheduler._update_requests_with_invalid_blocks no longer rolls a multi-group request back to 0"
