@@ -173,7 +173,7 @@ V030_FIXED = (
 )
 V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool", "pool_hit_boundary", "pool_key_tp")
 #: vLLM 0.30 only (v0300): on v0290 they are out of range (vLLM 0.29's scheduler takes one group's report)
-V030_ONLY_APPLIED = ("pool_load_report_copy", "pool_load_report", "pool_load_report_step", "pool_load_rollback", "pool_load_resume_meta",
+V030_ONLY_APPLIED = ("pool_load_report_raise", "pool_load_report_copy", "pool_load_report", "pool_load_report_step", "pool_load_rollback", "pool_load_resume_meta",
                      "pool_load_no_reload", "pool_load_policy")
 
 

@@ -127,11 +127,12 @@ def test_eviction_of_one_group_s_keys_stops_the_engine_too(library_off, which):
     assert evicted and not b.reads_of("b") and not b.reads_of("b", kind="attn")
 
 
-def test_a_failed_load_copy_stops_the_engine_too(library_off, monkeypatch):
+@pytest.mark.parametrize("kind", ["error", "raise"])  # the copy returns an error / raises
+def test_a_failed_load_copy_stops_the_engine_too(library_off, monkeypatch, kind):
     monkeypatch.setattr(harness_pool, "LOAD_WAIT_SCALE", 0.01)  # the layer's 10 s wait before it looks: 0.1 s
     pool = _filled_pool()
     b = PoolInstance(pool, name="B")
-    fault = pool.add_fault("error", direction=G2L, times=1, match=_of_group(b, "gdn"))
+    fault = pool.add_fault(kind, direction=G2L, times=1, match=_of_group(b, "gdn"))
     b.add_request("b", B)
     with pytest.raises(RuntimeError, match="failed during asynchronous transfer"):
         engine_loop(b)

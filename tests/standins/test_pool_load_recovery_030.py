@@ -73,8 +73,11 @@ class Run:
             "attn": lambda key: key.split("@")[1] != gdn,
             "b1": lambda key: key in a1_keys,
             "copy": None,  # nothing evicted: the first GDN load copy returns an error
+            "raise": None,  # ... or raises
         }[evict]
-        self.fault = pool.add_fault("error", direction=G2L, times=1, match=lambda key: key.split("@")[1] == gdn) if match is None else None
+        self.fault = None
+        if match is None:
+            self.fault = pool.add_fault("error" if evict == "copy" else "raise", direction=G2L, times=1, match=lambda key: key.split("@")[1] == gdn)
         self.evicted: list[str] = []
         self.before = {}
         self.failed_step_keys: list[str] = []
@@ -121,7 +124,7 @@ class Run:
 
 
 @pytest.mark.parametrize(
-    "evict,scheduling", [("all", "sync"), ("gdn", "sync"), ("attn", "sync"), ("all", "async"), ("copy", "sync"), ("copy", "async")]
+    "evict,scheduling", [("all", "sync"), ("gdn", "sync"), ("attn", "sync"), ("all", "async"), ("copy", "sync"), ("copy", "async"), ("raise", "sync")]
 )
 def test_an_eviction_before_the_load_is_recomputed(reference, evict, scheduling):
     from ascend_layerwise_patch.patches.pool_load_recovery import worker

@@ -2,7 +2,7 @@
 
 Target   vllm_ascend...ascend_store.pool_worker: KVPoolWorker._prepare_load_gvas,
          KVPoolWorker.prepare_layerwise_step; ascend_store.kv_transfer:
-         KVCacheStoreLayerRecvingThread._handle_request                          (worker half)
+         KVCacheStoreLayerRecvingThread._handle_request, ._batch_copy_with_limits (worker half)
          vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks;
          vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.build_connector_meta,
          KVPoolScheduler.get_num_new_matched_tokens                              (scheduler half)
@@ -16,8 +16,8 @@ Versions vLLM >=0.30,<0.31 (0.30.0); vllm-ascend >=0.30,<0.31 (0.30.0rc2). Not v
 Why      vllm-ascend 0.30 fails fast on a failed hybrid (GDN + attention) load: a pool key evicted
          between the scheduler's hit check and the worker's load makes ``_prepare_load_gvas``
          raise ("Layerwise multi-group KV load failed and cannot safely fall back to per-block
-         recomputation") out of ``execute_model``, and a layer load copy that returns an error stops
-         the layer receiving thread (a fatal error the next layer wait raises): the engine ends,
+         recomputation") out of ``execute_model``, and a layer load copy that returns an error (or
+         raises) stops the layer receiving thread (a fatal error the next layer wait raises): the engine ends,
          every request with it.
          vLLM 0.30's scheduler can take a hybrid report, but under ``recompute`` it rewinds the
          request in place (``num_computed_tokens = 0``): it keeps the align-mode block table (null
@@ -35,7 +35,8 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          the step's layer save tasks and ``can_save`` cleared before the save keys are allocated
          (no key is put, none made ready); under async scheduling it stays marked, and saves
          nothing, until its preemption or end reaches the worker.
-         A layer load copy that returns an error: the receiving thread reports every block of that
+         A layer load copy that returns an error (one that raises counts as returning -1): the
+         receiving thread reports every block of that
          layer's load ranges (upstream's ``_mark_invalid_transfer_task_blocks``; one batched copy
          carries every request of the layer, so all are reported), marks those requests failed for
          the worker (their later saves dropped as above) and runs the layer's bookkeeping as after
@@ -53,9 +54,11 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          ends just that request with an error and evicts its blocks (unchanged).
          Policy: with ``pool_load_recovery`` in force (applied or pending) the platform accepts
          ``kv_load_failure_policy=recompute`` for hybrid models; otherwise its refusal stands.
-Not done A load copy that raises (rather than returning an error), a key-major (block-key) range
-         load that fails, and a layer wait that never ends stay upstream's: the engine stops.
-         Not tested with TP > 1 or pipeline parallelism.
+Not done A key-major (block-key) range load that fails and a layer wait that never ends stay
+         upstream's: the engine stops. TP > 1 with async scheduling: only the rank whose load failed
+         drops its saves of the step already in flight; the other ranks' saves of that step (computed
+         through the all-reduce on the failed state) are published. Not tested with pipeline
+         parallelism or layerwise_offload (where a load step also saves).
 Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the receiving thread no
          longer raises for a failed copy (worker half), ``_handle_invalid_blocks`` preempts the
          affected requests itself and ``build_connector_meta`` tells a resumed request from a

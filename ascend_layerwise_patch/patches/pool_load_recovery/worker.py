@@ -216,6 +216,25 @@ def make_recv_handle(original):
     return _handle_request
 
 
+def make_batch_copy(original):
+    """The receiving thread's copies (direction 1, pool -> device): a copy that raises is a copy that
+    failed (-1), so the layer's failure is reported as one that returned an error; upstream records
+    a fatal error and the thread stops. Saves (the sending threads) are untouched."""
+
+    @functools.wraps(original)
+    def _batch_copy_with_limits(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes):
+        if direction != 1:
+            return original(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes)
+        try:
+            return original(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes)
+        except Exception as exc:  # noqa: BLE001 - a raising store is a failed copy
+            logger().warning("ascend_layerwise_patch: KV pool load copy raised (%s: %s); treated as a failed copy",
+                             type(exc).__name__, exc)
+            return -1
+
+    return _batch_copy_with_limits
+
+
 def _recover_copy(thread, data) -> None:
     layer_id = data.layer_id
     tasks = data.transfer_tasks
@@ -268,6 +287,13 @@ def _upstream_reports_copies(original) -> str | None:
     return None
 
 
+def _upstream_reports_copies_any(_original) -> str | None:
+    import importlib
+
+    thread = importlib.import_module(f"{STORE}.kv_transfer").KVCacheStoreLayerRecvingThread
+    return _upstream_reports_copies(thread._handle_request)
+
+
 def _prepare_load_ok(original) -> str | None:
     problem = _expects(
         ["self", "requests"],
@@ -300,6 +326,16 @@ def _upstream_reports_step(_original) -> str | None:
 
 
 SPECS = (
+    spec(
+        "pool_load_report_raise",
+        f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._batch_copy_with_limits",
+        make_batch_copy,
+        _expects(["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"],
+                 needs=("batch_copy",)),
+        _upstream_reports_copies_any,
+        why="a layerwise load copy that raises is a failed copy (reported), not the receiving thread's fatal error",
+        after=("load_fail_copy", "pool_metrics_load_copy"),  # vllm-ascend <0.27 groups: never both in range
+    ),
     spec(
         "pool_load_report_copy",
         f"{STORE}.kv_transfer:KVCacheStoreLayerRecvingThread._handle_request",
