@@ -4,7 +4,8 @@
 Instance A fills the pool with two 40-token prompts; instance B (policy ``recompute``) asks for two
 requests b1 / b2, each a 32-token pool hit (2 blocks of 16) and 24 tokens after it, and pool keys
 are evicted between B's schedule and its load (all keys, only the GDN group's, only the attention
-group's, or only b1's prefix). Library off (the groups skipped; test_pool_evict_030.py pins the rest):
+group's, only b1's prefix, or at TP 2 only rank 1's), or B's first GDN load copy returns an error or
+raises. Library off (the groups skipped; test_pool_evict_030.py pins the rest):
 the worker raises and the engine ends. Library on: every request finishes with the tokens of a run
 without a pool hit, no token of the failed step is delivered, nothing read after the failed step is
 wrong, no GDN state is written into the null block, no key the failed step saved is ready, every
@@ -53,18 +54,20 @@ class Run:
     schedule: "all", "gdn", "attn" (one group's keys of both prefixes) or "b1" (b1's prefix only)."""
 
     def __init__(self, evict: str, policy: str = "recompute", scheduling: str = "sync"):
+        tp = 2 if evict == "rank1" else 1  # "rank1": TP 2, only rank 1's keys evicted (rank 0 loads)
+        self.tp = tp
         self.asy = asy = scheduling == "async"
         self.prompts = TWO_ASYNC if asy else TWO
         self.computed_on_failure = 2 if asy else 1  # batches computed before the failure is known
         self.pool = pool = make_pool()
-        a = PoolInstance(pool, name="A")
+        a = PoolInstance(pool, name="A", tp=tp)
         a.add_request("a1", A1)
         engine_loop(a)
         a1_keys = set(pool.blobs)
         a.add_request("a2", A2)
         engine_loop(a)
         self.b = b = PoolInstance(
-            pool, name="B", kv_load_failure_policy=policy, async_scheduling=asy, long_prefill_token_threshold=16 if asy else 0
+            pool, name="B", kv_load_failure_policy=policy, async_scheduling=asy, long_prefill_token_threshold=16 if asy else 0, tp=tp
         )
         gdn = str(b.group_of[b.gdn_layers[0]])
         match = {
@@ -72,6 +75,7 @@ class Run:
             "gdn": lambda key: key.split("@")[1] == gdn,
             "attn": lambda key: key.split("@")[1] != gdn,
             "b1": lambda key: key in a1_keys,
+            "rank1": lambda key: key.endswith("@1tp2"),
             "copy": None,  # nothing evicted: the first GDN load copy returns an error
             "raise": None,  # ... or raises
         }[evict]
@@ -114,7 +118,7 @@ class Run:
         prompt = C_ASYNC if self.asy else C
         req = self.b.add_request("c", prompt, max_tokens=MAX_TOKENS)
         engine_loop(self.b)
-        self.d = d = PoolInstance(self.pool, name="D")
+        self.d = d = PoolInstance(self.pool, name="D", tp=self.tp)
         req_d = d.add_request("c", prompt, max_tokens=MAX_TOKENS)
         engine_loop(d)
         self.tokens["c"] = list(req.output_token_ids)
@@ -124,7 +128,8 @@ class Run:
 
 
 @pytest.mark.parametrize(
-    "evict,scheduling", [("all", "sync"), ("gdn", "sync"), ("attn", "sync"), ("all", "async"), ("copy", "sync"), ("copy", "async"), ("raise", "sync")]
+    "evict,scheduling", [("all", "sync"), ("gdn", "sync"), ("attn", "sync"), ("all", "async"), ("copy", "sync"), ("copy", "async"), ("raise", "sync"),
+     ("rank1", "sync")]
 )
 def test_an_eviction_before_the_load_is_recomputed(reference, evict, scheduling):
     from ascend_layerwise_patch.patches.pool_load_recovery import worker
