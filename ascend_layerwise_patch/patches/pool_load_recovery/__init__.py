@@ -17,8 +17,8 @@ Why      vllm-ascend 0.30 fails fast on a failed hybrid (GDN + attention) load: 
          between the scheduler's hit check and the worker's load makes ``_prepare_load_gvas``
          raise ("Layerwise multi-group KV load failed and cannot safely fall back to per-block
          recomputation") out of ``execute_model``, and a layer load copy that returns an error (or
-         raises) stops the layer receiving thread (a fatal error the next layer wait raises): the engine ends,
-         every request with it.
+         raises) stops the layer receiving thread (a fatal error the next layer wait raises): the
+         engine ends, every request with it.
          vLLM 0.30's scheduler can take a hybrid report, but under ``recompute`` it rewinds the
          request in place (``num_computed_tokens = 0``): it keeps the align-mode block table (null
          blocks below the state, so the recompute writes GDN state into the shared null block and
@@ -36,8 +36,7 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          (no key is put, none made ready); under async scheduling it stays marked, and saves
          nothing, until its preemption or end reaches the worker.
          A layer load copy that returns an error (one that raises counts as returning -1): the
-         receiving thread reports every block of that
-         layer's load ranges (upstream's ``_mark_invalid_transfer_task_blocks``; one batched copy
+         receiving thread reports every block of that layer's load ranges (upstream's ``_mark_invalid_transfer_task_blocks``; one batched copy
          carries every request of the layer, so all are reported), marks those requests failed for
          the worker (their later saves dropped as above) and runs the layer's bookkeeping as after
          a copy that succeeded (final layer: leases released, last chunks finished; the layer's
@@ -48,12 +47,15 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          from the prefix cache: it resumes with a fresh block table (no null block below the resume
          point) and recomputes its prompt; it never asks the pool again (no reload: a store that
          keeps failing would otherwise preempt it at every resume; its re-saves of keys still in the
-         pool are refused by the store: upstream's "alloc_gvas FAIL" ERROR lines, harmless). vllm-ascend's
-         pool scheduler drops (and then raises on) a request preempted outside ``schedule()`` and
+         pool are refused by the store: upstream's "alloc_gvas FAIL" ERROR lines, harmless).
+         vllm-ascend's pool scheduler drops (and then raises on) a request preempted outside ``schedule()`` and
          resumed by the next one (``build_connector_meta``): kept. Under ``fail`` vLLM 0.30 already
          ends just that request with an error and evicts its blocks (unchanged).
          Policy: with ``pool_load_recovery`` in force (applied or pending) the platform accepts
          ``kv_load_failure_policy=recompute`` for hybrid models; otherwise its refusal stands.
+         (Pool harness, tests/standins/test_pool_load_recovery_030.py: off, the engine ends; on,
+         every request finishes with the tokens of a run without the pool, 0 wrong reads after the
+         failed step, 0 null-block writes, no key of the steps computed on the failure ready.)
 Not done A key-major (block-key) range load that fails and a layer wait that never ends stay
          upstream's: the engine stops. TP > 1 with async scheduling: only the rank whose load failed
          drops its saves of the step already in flight; the other ranks' saves of that step (computed
