@@ -218,3 +218,16 @@ def test_a_failed_request_releases_no_lease_another_request_of_the_step_holds(re
         assert pool.over_releases  # attention block 0's key, released for b1 while b2 still copied it
     else:
         assert pool.over_releases == []
+
+
+def test_async_scheduling_across_ranks_keeps_upstreams_stop():
+    """TP 2 with async scheduling: the step in flight when rank 1's load fails saves on rank 0 too, and
+    rank 0 cannot know (its layers computed on rank 1's unloaded state through the all-reduce): the
+    library does not recover there -- vllm-ascend's stop stays (nothing wrong is served) and the
+    library says why, once per worker."""
+    from ascend_layerwise_patch.patches.pool_load_recovery import worker
+
+    logged = len(worker._UNSAFE_LOGGED)
+    with pytest.raises(RuntimeError, match=worker.FAIL_FAST):
+        Run("rank1", scheduling="async")
+    assert len(worker._UNSAFE_LOGGED) == logged + 1  # rank 1's worker, the one whose load failed

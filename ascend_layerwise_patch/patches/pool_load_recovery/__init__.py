@@ -57,10 +57,12 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          every request finishes with the tokens of a run without the pool, 0 wrong reads after the
          failed step, 0 null-block writes, no key of the steps computed on the failure ready.)
 Not done A key-major (block-key) range load that fails and a layer wait that never ends stay
-         upstream's: the engine stops. TP > 1 with async scheduling: only the rank whose load failed
-         drops its saves of the step already in flight; the other ranks' saves of that step (computed
-         through the all-reduce on the failed state) are published. Not tested with pipeline
-         parallelism or layerwise_offload (where a load step also saves).
+         upstream's: the engine stops. Async scheduling across several ranks (TP / PP / PCP > 1):
+         upstream's stop is kept, with a WARNING saying why (``worker.recovers``) -- the step
+         scheduled before the failure was known is in flight on every rank, only the rank whose load
+         failed could drop its saves, and the others' (computed on that state through the
+         all-reduce or the earlier stage) would be published. Not tested with pipeline parallelism
+         or layerwise_offload (where a load step also saves).
 Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the receiving thread no
          longer raises for a failed copy (worker half), ``_handle_invalid_blocks`` preempts the
          affected requests itself and ``build_connector_meta`` tells a resumed request from a

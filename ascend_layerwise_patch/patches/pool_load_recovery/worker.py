@@ -97,6 +97,40 @@ def _drop_saves(worker, request) -> int:
     return dropped
 
 
+#: receiving thread: whether its worker recovers failed loads (set by the worker every step)
+_RECOVERS = "_ascend_layerwise_patch_recovers"
+_UNSAFE_LOGGED: set[int] = set()
+
+
+def _ranks(worker) -> int:
+    """How many ranks compute one step of a request together (TP x PP x PCP of this worker)."""
+    return int(getattr(worker, "tp_size", 1) or 1) * int(getattr(worker, "pp_size", 1) or 1) * int(getattr(worker, "pcp_size", 1) or 1)
+
+
+def recovers(worker) -> bool:
+    """Whether this worker may turn a failed load into a report. Not with async scheduling across
+    several ranks: the step scheduled before the failure was known is in flight on every rank, and
+    only the rank whose load failed knows to drop its saves -- the others (their layers computed on
+    the failed rank's state through the all-reduce / the earlier stage) would publish keys computed
+    on state never loaded. There upstream's stop is kept (the engine ends; nothing wrong is served)."""
+    config = getattr(worker, "vllm_config", None)
+    asynchronous = bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
+    return not (asynchronous and _ranks(worker) > 1)
+
+
+def _kept_stop(worker, what: str) -> None:
+    if id(worker) in _UNSAFE_LOGGED:
+        return
+    _UNSAFE_LOGGED.add(id(worker))
+    logger().warning(
+        "ascend_layerwise_patch: a KV pool %s failed and is NOT recovered: async scheduling with %d ranks "
+        "(the step in flight saves on every rank, and only this one knows the load failed); vllm-ascend's "
+        "own stop is kept. Turn async scheduling off (or run at one rank) to have failed loads recomputed",
+        what,
+        _ranks(worker),
+    )
+
+
 def make_prepare_load(original):
     """Hybrid workers: upstream's ``_prepare_load_gvas`` one request at a time; a request it would
     raise for (a key evicted or unleasable between the hit check and the load) loads nothing, its
@@ -111,6 +145,13 @@ def make_prepare_load(original):
             return original(self, requests)
         if "m_store" not in self.__dict__:
             return original(self, requests)
+        if not recovers(self):
+            try:
+                return original(self, requests)
+            except RuntimeError as exc:
+                if FAIL_FAST in str(exc):
+                    _kept_stop(self, "load")
+                raise
         failed = self.__dict__.setdefault(_FAILED, set())
         done: list = []
         for request in requests:
@@ -180,6 +221,8 @@ def make_prepare_step(original):
     @functools.wraps(original)
     def prepare_layerwise_step(self, metadata):
         thread = getattr(self, "kv_recv_thread", None)
+        if thread is not None:
+            thread.__dict__[_RECOVERS] = recovers(self)
         copies = thread.__dict__.get(_FAILED_COPIES) if thread is not None else None
         if copies:  # the previous step's failed copies (recorded before its layer waits returned)
             failed = self.__dict__.setdefault(_FAILED, set())
@@ -210,6 +253,9 @@ def make_recv_handle(original):
         except RuntimeError as exc:
             tasks = getattr(data, "transfer_tasks", None)
             if COPY_FAILED not in str(exc) or not tasks or tasks[0].use_key_major_ranges:
+                raise
+            if not self.__dict__.get(_RECOVERS, False):  # its worker keeps upstream's stop (or never said)
+                _kept_stop(self, "load copy")
                 raise
         _recover_copy(self, data)
 
