@@ -37,6 +37,8 @@ async_fences            async_fences         with async scheduling a kv_producer
 pool_metrics            pool_metrics         the pool's failures were not on vLLM's /metrics nor in its KV-transfer log line
 pool_hit_boundary       pool_hit_boundary    0.30: a whole-prompt pool hit resumed a GDN request at prompt - 1, where no state was saved
 pool_key_tp             pool_key_tp          0.30: pool keys named no TP size: another TP size's GDN slices were loaded
+pool_load_recovery      pool_load_recovery   0.30: a failed hybrid pool load ended the engine; vLLM's in-place rollback shared the null block
+pool_load_recovery_policy pool_load_recovery 0.30: vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from . import (
     pool_hit_boundary,
     pool_key_layout,
     pool_key_tp,
+    pool_load_recovery,
     pool_metrics,
     postprocess_kernel,
 )
@@ -77,4 +80,5 @@ SPECS = (
     *pool_metrics.SPECS,
     *pool_hit_boundary.SPECS,
     *pool_key_tp.SPECS,
+    *pool_load_recovery.SPECS,
 )

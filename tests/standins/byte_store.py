@@ -124,6 +124,8 @@ class PoolService:
         #: ``observer(direction, [(key, offset, host addr, size)])`` for every copy, once its faults
         #: let it run (after a gate or delay, before an injected error or raise): what it touches
         self.observers: list[Callable] = []
+        #: lease releases of a key that held no lease (a lease released early, for a reader still copying)
+        self.over_releases: list[str] = []
 
     # ------------------------------------------------------------------ harness side
     def register_region(self, ptr: int, size: int) -> None:
@@ -225,6 +227,8 @@ class PoolService:
             for k in keys:
                 if (b := self.blobs.get(k)) is not None and b.leases:
                     b.leases -= 1
+                elif b is not None:
+                    self.over_releases.append(k)
         return 0
 
     def batch_copy(self, gvas, addrs, sizes, direction) -> int:

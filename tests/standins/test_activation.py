@@ -204,8 +204,8 @@ report(wait=ours(u.wait_for_kv_layer_from_connector), states=sorted({s.state for
     assert out["states"] == ["skipped"]
     # the groups covering 0.26 say <0.27; those declared for 0.25.x only, <0.26; those that also
     # cover vllm-ascend 0.30.0rc2 (issue 25), <0.31 without 0.27 / 0.28; those for 0.30's defects only
-    # (pool_hit_boundary, pool_key_tp), >=0.29,<0.31
-    ranges = (">=0.25.0,<0.27", ">=0.25.0,<0.26", ">=0.25.0,<0.31,!=0.27.*,!=0.28.*", ">=0.29,<0.31")
+    # (pool_hit_boundary, pool_key_tp), >=0.29,<0.31; for vLLM 0.30 only (pool_load_recovery*), >=0.30,<0.31
+    ranges = (">=0.25.0,<0.27", ">=0.25.0,<0.26", ">=0.25.0,<0.31,!=0.27.*,!=0.28.*", ">=0.29,<0.31", ">=0.30,<0.31")
     assert all(
         r.startswith("version out of range: vllm 0.2") and any(r.endswith(f"outside {want}") for want in ranges)
         for r in out["reasons"]

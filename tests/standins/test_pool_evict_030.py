@@ -22,11 +22,18 @@ two such requests one computes on the other's state. A correct recompute needs t
 rollback 0.25 needed (patches/load_failures/rollback.py), not a report; vLLM 0.29 (v0290) cannot take
 a hybrid report at all (its ``_update_requests_with_invalid_blocks`` unpacks one group).
 
+Issue 25 follow-up (f): the library's ``pool_load_recovery`` groups now turn the stop into a report
+and the in-place rollback into evict + preempt (test_pool_load_recovery_030.py); the upstream
+behaviour above is pinned here with those groups skipped (``library_off``, module-wide: every test
+but the first, which runs the reported-failure case with them on: no null-block write, no wrong read).
+
 On the pool harness running vLLM 0.30.0 + vllm-ascend 0.30.0rc2 (v0300 only: see
 test_pool_hit_boundary.py for v0290).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -36,12 +43,28 @@ PAIRS = ("v0300",)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
+import ascend_layerwise_patch  # noqa: E402
 import harness_pool  # noqa: E402
 from byte_store import G2L  # noqa: E402
 from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
+
+#: the library's handling of a failed hybrid pool load (test_pool_load_recovery_030.py) off
+SKIP = {"ASCEND_LAYERWISE_PATCH_SKIP": "pool_load_recovery,pool_load_recovery_policy"}
+
+
+@pytest.fixture(scope="module")
+def library_off():  # module-wide: one revert / activate (the only library-on test runs first, below)
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    reg.activate(environ={**os.environ, **SKIP})
+    try:
+        yield
+    finally:
+        reg.revert()
+        reg.activate()
 
 A = list(range(1000, 1040))
 B = A[:32] + list(range(7, 31))  # a 32-token pool hit (2 blocks of 16) and 24 tokens after it
@@ -64,7 +87,19 @@ def _of_group(inst, which: str):
     return lambda key: True
 
 
-def test_hit_cache_is_off_the_hybrid_path_and_an_eviction_before_the_load_raises():
+def test_reported_hybrid_load_failure_under_recompute_with_the_library_preempts(reference):
+    """Library on (runs before the module-wide ``library_off`` is first taken). The report of the
+    last test with ``pool_load_rollback`` on: both requests preempted (fresh block tables,
+    blocks evicted from the prefix cache), recomputed from 0 without the pool: no null-block write,
+    no wrong read, the reference tokens."""
+    b, reqs, seen = _reported("recompute")
+    assert seen["computed"] == [0, 0] and seen["still_cached"] == set()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.num_preemptions == 1 for r in reqs)
+    assert {r.request_id: list(r.output_token_ids) for r in reqs} == reference
+    assert b.null_writes == [] and b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
+
+
+def test_hit_cache_is_off_the_hybrid_path_and_an_eviction_before_the_load_raises(library_off):
     pool = _filled_pool()
     b = PoolInstance(pool, name="B")
     sched = b.scheduler.connector.connector_scheduler
@@ -74,12 +109,14 @@ def test_hit_cache_is_off_the_hybrid_path_and_an_eviction_before_the_load_raises
     b.add_request("b", A[:32] + [7, 8, 9, 10, 11])
     with pytest.raises(RuntimeError, match="cannot safely fall back to per-block recomputation"):
         engine_loop(b)
+    with pytest.raises(Exception, match="(?i)recompute"):  # vllm-ascend refuses recompute for hybrid models
+        PoolInstance(make_pool(), name="refused", kv_load_failure_policy="recompute")
     assert evicted and not sched._lw_block_hit_cache  # the hit (32 tokens) was asked of the store, never cached
     assert not b.reads_of("b") and not b.reads_of("b", kind="attn")  # nothing computed on what was missing
 
 
 @pytest.mark.parametrize("which", ["gdn", "attn"])
-def test_eviction_of_one_group_s_keys_stops_the_engine_too(which):
+def test_eviction_of_one_group_s_keys_stops_the_engine_too(library_off, which):
     pool = _filled_pool()
     b = PoolInstance(pool, name="B")
     evicted = []
@@ -90,11 +127,12 @@ def test_eviction_of_one_group_s_keys_stops_the_engine_too(which):
     assert evicted and not b.reads_of("b") and not b.reads_of("b", kind="attn")
 
 
-def test_a_failed_load_copy_stops_the_engine_too(monkeypatch):
+@pytest.mark.parametrize("kind", ["error", "raise"])  # the copy returns an error / raises
+def test_a_failed_load_copy_stops_the_engine_too(library_off, monkeypatch, kind):
     monkeypatch.setattr(harness_pool, "LOAD_WAIT_SCALE", 0.01)  # the layer's 10 s wait before it looks: 0.1 s
     pool = _filled_pool()
     b = PoolInstance(pool, name="B")
-    fault = pool.add_fault("error", direction=G2L, times=1, match=_of_group(b, "gdn"))
+    fault = pool.add_fault(kind, direction=G2L, times=1, match=_of_group(b, "gdn"))
     b.add_request("b", B)
     with pytest.raises(RuntimeError, match="failed during asynchronous transfer"):
         engine_loop(b)
@@ -152,14 +190,14 @@ def _reported(policy: str):
     return b, reqs, seen
 
 
-def test_reported_hybrid_load_failure_under_fail_ends_the_requests():
+def test_reported_hybrid_load_failure_under_fail_ends_the_requests(library_off):
     b, reqs, seen = _reported("fail")
     assert all(r.status == RequestStatus.FINISHED_ERROR and not r.output_token_ids for r in reqs)
     assert seen["still_cached"] == set()  # every block of every group evicted from the prefix cache
     assert b.null_writes == [] and b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
 
 
-def test_reported_hybrid_load_failure_under_recompute_rolls_back_in_place(reference):
+def test_reported_hybrid_load_failure_under_recompute_rolls_back_in_place(library_off, reference):
     b, reqs, seen = _reported("recompute")
     gdn = b.group_of[b.gdn_layers[0]]
     assert seen["computed"] == [0, 0]  # both recomputed from 0 (the failed step's tokens dropped)
@@ -175,3 +213,4 @@ def test_reported_hybrid_load_failure_under_recompute_rolls_back_in_place(refere
           f"{len(wrong)} wrong GDN reads of {len(b.reads_of())} ({len(b.wrong_reads(kind='attn'))} attention)")
     assert len(b.null_writes) == 2 * len(b.gdn_layers)
     assert wrong and {r.block_id for r in wrong} != {0}  # a request read the other's state, copied out of the null block
+

@@ -1,0 +1,77 @@
+"""0.30: a hybrid request whose pool load fails is recomputed (or failed alone); the engine goes on.
+
+Target   vllm_ascend...ascend_store.pool_worker: KVPoolWorker._prepare_load_gvas,
+         KVPoolWorker.prepare_layerwise_step; ascend_store.kv_transfer:
+         KVCacheStoreLayerRecvingThread._handle_request, ._batch_copy_with_limits (worker half)
+         vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks;
+         vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.build_connector_meta,
+         KVPoolScheduler.get_num_new_matched_tokens                              (scheduler half)
+         vllm_ascend.platform:_validate_kv_load_failure_policy                   (own group,
+         ``pool_load_recovery_policy``: the platform is imported long before the others resolve)
+Versions vLLM >=0.30,<0.31 (0.30.0); vllm-ascend >=0.30,<0.31 (0.30.0rc2). Not vLLM 0.29: its
+         ``_update_requests_with_invalid_blocks`` unpacks one KV cache group, so a hybrid report
+         raises in the scheduler (on v0290 these groups are ``skipped: version out of range``; the
+         engine stops on a failed hybrid load there, as upstream does). On 0.25 the same defects are
+         load_failures' (different code).
+Why      vllm-ascend 0.30 fails fast on a failed hybrid (GDN + attention) load: a pool key evicted
+         between the scheduler's hit check and the worker's load makes ``_prepare_load_gvas``
+         raise ("Layerwise multi-group KV load failed and cannot safely fall back to per-block
+         recomputation") out of ``execute_model``, and a layer load copy that returns an error (or
+         raises) stops the layer receiving thread (a fatal error the next layer wait raises): the
+         engine ends, every request with it.
+         vLLM 0.30's scheduler can take a hybrid report, but under ``recompute`` it rewinds the
+         request in place (``num_computed_tokens = 0``): it keeps the align-mode block table (null
+         blocks below the state, so the recompute writes GDN state into the shared null block and
+         reads it back: 6 wrong GDN reads of 16 with two requests, notes/i25e.md) and keeps the
+         reported blocks in the prefix cache (a later local hit reads state never loaded); and
+         vllm-ascend's platform refuses ``recompute`` for hybrid models.
+How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a time; where upstream
+         would raise for a request (a key missing or unleasable), that request loads nothing this
+         step (``load_spec.can_load = False``), its read leases are released -- except keys another
+         request of the step holds, which keep their lease -- and dropped from the step's lease
+         cache (a later request of the step leases them anew); every hit block of every group of it
+         goes to ``_invalid_block_ids`` (what ``get_block_ids_with_load_errors`` reports this step),
+         logged at WARNING. The failed step saves nothing for it: its save ranges are taken out of
+         the step's layer save tasks and ``can_save`` cleared before the save keys are allocated
+         (no key is put, none made ready); under async scheduling it stays marked, and saves
+         nothing, until its preemption or end reaches the worker.
+         A layer load copy that returns an error (one that raises counts as returning -1): the
+         receiving thread reports every block of that layer's load ranges (upstream's ``_mark_invalid_transfer_task_blocks``; one batched copy
+         carries every request of the layer, so all are reported), marks those requests failed for
+         the worker (their later saves dropped as above) and runs the layer's bookkeeping as after
+         a copy that succeeded (final layer: leases released, last chunks finished; the layer's
+         event set, ``task_done``) instead of stopping.
+         Scheduler: under ``recompute``, a multi-group request vLLM rolled back is preempted
+         (vLLM's ``_preempt_request``, ``drop_stale_output``: in-flight frames are discarded, as
+         ``reset_prefix_cache`` does) after every non-null block of every group of it is evicted
+         from the prefix cache: it resumes with a fresh block table (no null block below the resume
+         point) and recomputes its prompt; it never asks the pool again (no reload: a store that
+         keeps failing would otherwise preempt it at every resume; its re-saves of keys still in the
+         pool are refused by the store: upstream's "alloc_gvas FAIL" ERROR lines, harmless).
+         vllm-ascend's pool scheduler drops (and then raises on) a request preempted outside ``schedule()`` and
+         resumed by the next one (``build_connector_meta``): kept. Under ``fail`` vLLM 0.30 already
+         ends just that request with an error and evicts its blocks (unchanged).
+         Policy: with ``pool_load_recovery`` in force (applied or pending) the platform accepts
+         ``kv_load_failure_policy=recompute`` for hybrid models; otherwise its refusal stands.
+         (Pool harness, tests/standins/test_pool_load_recovery_030.py: off, the engine ends; on,
+         every request finishes with the tokens of a run without the pool, 0 wrong reads after the
+         failed step, 0 null-block writes, no key of the steps computed on the failure ready.)
+Not done A key-major (block-key) range load that fails and a layer wait that never ends stay
+         upstream's: the engine stops. Async scheduling across several ranks (TP / PP / PCP > 1):
+         upstream's stop is kept, with a WARNING saying why (``worker.recovers``) -- the step
+         scheduled before the failure was known is in flight on every rank, only the rank whose load
+         failed could drop its saves, and the others' (computed on that state through the
+         all-reduce or the earlier stage) would be published. Not tested with pipeline parallelism
+         or layerwise_offload (where a load step also saves).
+Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the receiving thread no
+         longer raises for a failed copy (worker half), ``_handle_invalid_blocks`` preempts the
+         affected requests itself and ``build_connector_meta`` tells a resumed request from a
+         preempted one (scheduler half): each detected, the group skips itself.
+"""
+
+from __future__ import annotations
+
+from . import policy, scheduler, worker
+from ._common import GROUP, POLICY_GROUP  # noqa: F401
+
+SPECS = (*worker.SPECS, *scheduler.SPECS, *policy.SPECS)
