@@ -98,3 +98,45 @@ def _module_level(text: str, pos: int) -> bool:
             if depth == 0:
                 return True
     return True
+
+
+# Shared by the load-failure rollbacks of 0.25 (load_failures) and 0.30 (pool_load_recovery): vLLM's
+# scheduler and vllm-ascend's pool scheduler, as both releases' rollbacks find them.
+SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+
+
+def upstream_preempts(handle_invalid) -> str | None:
+    """Fixed upstream when ``Scheduler._handle_invalid_blocks`` preempts the affected requests itself."""
+    if "_preempt_request" in source(handle_invalid):
+        return "Scheduler._handle_invalid_blocks preempts the affected requests itself"
+    return None
+
+
+def upstream_preempts_any(_original) -> str | None:
+    """``upstream_preempts`` of the installed scheduler, for a spec on another target."""
+    module, _, cls = SCHEDULER.partition(":")
+    return upstream_preempts(getattr(importlib.import_module(module), cls)._handle_invalid_blocks)
+
+
+def upstream_keeps_resumed(build_meta) -> str | None:
+    """Fixed upstream when ``KVPoolScheduler.build_connector_meta`` tells a preempted request from a
+    resumed one itself."""
+    if "resumed_req_ids" in source(build_meta):
+        return "KVPoolScheduler.build_connector_meta tells a preempted request from a resumed one itself"
+    return None
+
+
+def build_meta_expects(*needs: str) -> Expect:
+    """``KVPoolScheduler.build_connector_meta`` as the resumed-preemption wrappers find it: it walks
+    ``preempted_req_ids`` and drops the request's entries (``needs``: the release's extra names)."""
+    return expects(
+        ["self", "scheduler_output"],
+        needs=(
+            "for req_id in scheduler_output.preempted_req_ids",
+            "self._unfinished_requests.pop(req_id, None)",
+            "_preempted_req_ids",
+            "_request_trackers",
+            "_loading_req_ids",
+            *needs,
+        ),
+    )

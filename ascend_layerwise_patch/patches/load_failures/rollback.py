@@ -10,9 +10,15 @@ import time
 
 from ... import pool_events
 from ...host import logger
-from .._targets import STORE
+from .._checks import (
+    build_meta_expects,
+    upstream_keeps_resumed,
+    upstream_preempts,
+    upstream_preempts_any,
+)
 from .._checks import expects as _expects
 from .._checks import source as _source
+from .._targets import STORE
 from ._common import _FRAMES, _NO_RELOAD, ROLLBACK_GROUP, _as_scheduled, _spec
 
 
@@ -186,34 +192,8 @@ def _handle_invalid_ok(original) -> str | None:
     return None
 
 
-def _build_meta_ok(original) -> str | None:
-    return _expects(
-        ["self", "scheduler_output"],
-        needs=(
-            "for req_id in scheduler_output.preempted_req_ids",
-            "self._unfinished_requests.pop(req_id, None)",
-            "_preempted_req_ids",
-            "_request_trackers",
-            "_loading_req_ids",
-            "_delayed_free_req_ids",
-        ),
-    )(original)
 
 
-def _upstream_keeps_resumed(original) -> str | None:
-    if "resumed_req_ids" in _source(original):
-        return "KVPoolScheduler.build_connector_meta tells a preempted request from a resumed one itself"
-    return None
-
-
-def _upstream_preempts_frames(_original) -> str | None:
-    return _upstream_preempts(importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler._handle_invalid_blocks)
-
-
-def _upstream_preempts(original) -> str | None:
-    if "_preempt_request" in _source(original):
-        return "Scheduler._handle_invalid_blocks preempts the affected requests itself"
-    return None
 
 
 SPECS = (
@@ -222,7 +202,7 @@ SPECS = (
         "vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks",
         make_handle_invalid,
         _handle_invalid_ok,
-        fixed=_upstream_preempts,
+        fixed=upstream_preempts,
         group=ROLLBACK_GROUP,
         aliases=("vllm.v1.core.sched.scheduler:Scheduler.__base__._handle_invalid_blocks",),
         why="a hybrid request rolled back after a failed KV load is preempted (its blocks from the rollback "
@@ -234,7 +214,7 @@ SPECS = (
         "vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
         make_async_after_schedule,
         _expects(["self", "scheduler_output"], needs=("num_output_placeholders",)),
-        fixed=_upstream_preempts_frames,
+        fixed=upstream_preempts_any,
         group=ROLLBACK_GROUP,
         why="the rollback knows how many output frames of a failed request are still in flight",
         risk="under async scheduling a token computed on a failed load is delivered, or a good one dropped",
@@ -243,8 +223,8 @@ SPECS = (
         "load_fail_resume_meta",
         f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
         make_build_meta,
-        _build_meta_ok,
-        fixed=_upstream_keeps_resumed,
+        build_meta_expects("_delayed_free_req_ids"),
+        fixed=upstream_keeps_resumed,
         group=ROLLBACK_GROUP,
         why="a request preempted outside schedule() and resumed by the next one keeps its pool-scheduler state",
         risk="the pool scheduler raises on a request preempted after a failed load and resumed",
@@ -259,7 +239,7 @@ SPECS = (
         f"{STORE}.pool_scheduler:KVPoolScheduler.get_num_new_matched_tokens",
         make_no_reload,
         _expects(["self", "request", "num_computed_tokens"], needs=("_get_layerwise_gva_hit_tokens",)),
-        fixed=_upstream_preempts_frames,
+        fixed=upstream_preempts_any,
         group=ROLLBACK_GROUP,
         why="a request preempted after a failed pool load resumes from local hits and recomputes (never reloads)",
         risk="a store that keeps failing preempts the same request at every resume, for ever",

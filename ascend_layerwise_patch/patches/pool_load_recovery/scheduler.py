@@ -11,13 +11,18 @@ import time
 
 from ... import pool_events
 from ...host import logger
+from .._checks import (
+    SCHEDULER,
+    build_meta_expects,
+    upstream_keeps_resumed,
+    upstream_preempts,
+    upstream_preempts_any,
+)
 from .._checks import expects as _expects
 from .._checks import param_names as _params
 from .._checks import source as _source
 from .._targets import STORE
 from ._common import NO_RELOAD, spec
-
-SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 
 _COUNTS = {"requests_rolled_back": 0, "blocks_evicted": 0, "reloads_refused": 0}
 _LOCK = threading.Lock()
@@ -126,24 +131,6 @@ def make_build_meta(original):
     return build_connector_meta
 
 
-def _build_meta_ok(original) -> str | None:
-    return _expects(
-        ["self", "scheduler_output"],
-        needs=(
-            "for req_id in scheduler_output.preempted_req_ids",
-            "self._unfinished_requests.pop(req_id, None)",
-            "_preempted_req_ids",
-            "_request_trackers",
-            "_loading_req_ids",
-            "AscendConnectorMetadata(",
-        ),
-    )(original)
-
-
-def _upstream_keeps_resumed(original) -> str | None:
-    if "resumed_req_ids" in _source(original):
-        return "KVPoolScheduler.build_connector_meta tells a preempted request from a resumed one itself"
-    return None
 
 
 def _handle_invalid_ok(original) -> str | None:
@@ -167,14 +154,6 @@ def _handle_invalid_ok(original) -> str | None:
     return None
 
 
-def _upstream_preempts(original) -> str | None:
-    if "_preempt_request" in _source(original):
-        return "Scheduler._handle_invalid_blocks preempts the affected requests itself"
-    return None
-
-
-def _upstream_preempts_any(_original) -> str | None:
-    return _upstream_preempts(importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler._handle_invalid_blocks)
 
 
 SPECS = (
@@ -183,7 +162,7 @@ SPECS = (
         f"{SCHEDULER}._handle_invalid_blocks",
         make_handle_invalid,
         _handle_invalid_ok,
-        _upstream_preempts,
+        upstream_preempts,
         counters=counters,
         after=("load_fail_rollback",),  # load_failures (vLLM 0.25): never both in range
         why="under recompute a hybrid request rolled back after a failed KV load is preempted (its blocks evicted "
@@ -195,8 +174,8 @@ SPECS = (
         "pool_load_resume_meta",
         f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
         make_build_meta,
-        _build_meta_ok,
-        _upstream_keeps_resumed,
+        build_meta_expects("AscendConnectorMetadata("),
+        upstream_keeps_resumed,
         why="a request preempted after a failed load and resumed by the next schedule keeps its pool-scheduler state",
         risk="the pool scheduler raises on a request preempted after a failed load and resumed (the engine ends)",
         after=("send_shedding", "load_fail_resume_meta"),  # 0.25's wrappers of this target: never both in range
@@ -206,7 +185,7 @@ SPECS = (
         f"{STORE}.pool_scheduler:KVPoolScheduler.get_num_new_matched_tokens",
         make_no_reload,
         _expects(["self", "request", "num_computed_tokens"]),
-        _upstream_preempts_any,
+        upstream_preempts_any,
         why="a request preempted after a failed pool load recomputes its prompt (never reloads from the pool)",
         risk="a store that keeps failing preempts the same request at every resume",
         after=("load_fail_no_reload", "pool_hit_boundary"),
