@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import os
 import re
+import threading
 from collections.abc import Iterable
 
 from ..registry import Expect
@@ -105,6 +106,15 @@ def _module_level(text: str, pos: int) -> bool:
 SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 
 
+def lookup(path: str):
+    """The object a ``"module:Qual.name"`` target path names, its module imported."""
+    module, _, qual = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def upstream_preempts(handle_invalid) -> str | None:
     """Fixed upstream when ``Scheduler._handle_invalid_blocks`` preempts the affected requests itself."""
     if "_preempt_request" in source(handle_invalid):
@@ -114,8 +124,7 @@ def upstream_preempts(handle_invalid) -> str | None:
 
 def upstream_preempts_any(_original) -> str | None:
     """``upstream_preempts`` of the installed scheduler, for a spec on another target."""
-    module, _, cls = SCHEDULER.partition(":")
-    return upstream_preempts(getattr(importlib.import_module(module), cls)._handle_invalid_blocks)
+    return upstream_preempts(lookup(SCHEDULER)._handle_invalid_blocks)
 
 
 def upstream_keeps_resumed(build_meta) -> str | None:
@@ -140,3 +149,20 @@ def build_meta_expects(*needs: str) -> Expect:
             *needs,
         ),
     )
+
+
+class Counts:
+    """A patch's live counts (``PatchSpec.counters = counts.snapshot``): named integers bumped from
+    any thread (scheduler, worker, transfer threads)."""
+
+    def __init__(self, *names: str):
+        self._counts = dict.fromkeys(names, 0)
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)

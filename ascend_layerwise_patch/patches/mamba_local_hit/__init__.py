@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import weakref
 
-from .._checks import PatchSpec
+from .._checks import PatchSpec, lookup
 from .._checks import param_names as _params
 
 VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
@@ -53,13 +53,9 @@ POOL_BLOCK_POOLS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _coordinator_precondition(original) -> str | None:
-    import importlib
-
     if _params(original) != ["self", "block_hashes", "max_cache_hit_length"]:
         return f"find_longest_cache_hit_per_group parameters are {_params(original)}"
-    module, _, cls = COORDINATOR.partition(":")
-    coordinator = getattr(importlib.import_module(module), cls)
-    joint = getattr(coordinator, "find_longest_cache_hit", None)
+    joint = getattr(lookup(COORDINATOR), "find_longest_cache_hit", None)
     if joint is None or _params(joint)[:3] != ["self", "block_hashes", "max_cache_hit_length"]:
         return "AscendHybridKVCacheCoordinator.find_longest_cache_hit is gone or changed"
     return None

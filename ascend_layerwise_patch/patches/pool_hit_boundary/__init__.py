@@ -31,9 +31,8 @@ Removal  When the real method, called on a probe scheduler whose pool holds ever
 from __future__ import annotations
 
 import functools
-import threading
 
-from .._checks import PatchSpec
+from .._checks import Counts, PatchSpec, lookup, source
 from .._checks import param_names as _params
 from .._targets import STORE
 
@@ -43,28 +42,22 @@ POOL_SCHEDULER = f"{STORE}.pool_scheduler:KVPoolScheduler"
 #: the hit lookups ``get_num_new_matched_tokens`` dispatches to (each takes request, token_len, ...)
 LOOKUPS = ("_get_layerwise_hit_tokens", "_get_block_key_layerwise_hit_tokens", "_get_store_lookup_hit_tokens")
 
-_COUNTS = {"capped_lookups": 0}
-_LOCK = threading.Lock()
+_COUNTS = Counts("capped_lookups")
 
 
 def _precondition(original) -> str | None:
-    import importlib
-
     if _params(original) != ["self", "request", "num_computed_tokens"]:
         return f"KVPoolScheduler.get_num_new_matched_tokens parameters are {_params(original)}"
-    from .._checks import source
-
     text = source(original)
     if text and ("request.num_tokens" not in text or "_get_layerwise_hit_tokens" not in text):
         return "get_num_new_matched_tokens no longer compares the hit with request.num_tokens after _get_layerwise_hit_tokens"
-    module, _, cls = POOL_SCHEDULER.partition(":")
-    scheduler = getattr(importlib.import_module(module), cls)
+    scheduler = lookup(POOL_SCHEDULER)
     for name in LOOKUPS:
-        lookup = getattr(scheduler, name, None)
-        if lookup is None:
+        method = getattr(scheduler, name, None)
+        if method is None:
             return f"KVPoolScheduler.{name} is gone"
-        if _params(lookup)[:3] != ["self", "request", "token_len"]:
-            return f"KVPoolScheduler.{name} parameters are {_params(lookup)}"
+        if _params(method)[:3] != ["self", "request", "token_len"]:
+            return f"KVPoolScheduler.{name} parameters are {_params(method)}"
     return None
 
 
@@ -73,11 +66,9 @@ def probe_hit(original) -> int:
     scheduler (hybrid, GVA layerwise, 16-token blocks in every group) whose pool holds every block
     of a 32-token prompt with its state at every boundary (its lookup answers ``token_len`` floored
     to a block). Right: 16 (the last boundary below the prompt end); 0.30.0rc2: 31."""
-    import importlib
     from types import SimpleNamespace
 
-    module, _, cls = POOL_SCHEDULER.partition(":")
-    probe = object.__new__(getattr(importlib.import_module(module), cls))
+    probe = object.__new__(lookup(POOL_SCHEDULER))
     bs = 16
     probe.__dict__.update(
         kv_role="kv_both",
@@ -132,8 +123,7 @@ def _fixed_upstream(original) -> str | None:
 def _capped(lookup, cap: int):
     def capped(request, token_len, *args, **kwargs):
         if token_len > cap:
-            with _LOCK:
-                _COUNTS["capped_lookups"] += 1
+            _COUNTS.add("capped_lookups")
             token_len = cap
         return lookup(request, token_len, *args, **kwargs)
 
@@ -164,9 +154,7 @@ def boundary_hit(original):
     return get_num_new_matched_tokens
 
 
-def counters() -> dict[str, int]:
-    with _LOCK:
-        return dict(_COUNTS)
+counters = _COUNTS.snapshot
 
 
 SPECS = (

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import threading
 import time
 
 from ... import pool_events
 from ...host import logger
 from .._checks import (
     SCHEDULER,
+    Counts,
     build_meta_expects,
     upstream_keeps_resumed,
     upstream_preempts,
@@ -24,18 +24,9 @@ from .._checks import source as _source
 from .._targets import STORE
 from ._common import NO_RELOAD, spec
 
-_COUNTS = {"requests_rolled_back": 0, "blocks_evicted": 0, "reloads_refused": 0}
-_LOCK = threading.Lock()
-
-
-def _count(name: str, n: int = 1) -> None:
-    with _LOCK:
-        _COUNTS[name] += n
-
-
-def counters() -> dict[str, int]:
-    with _LOCK:
-        return dict(_COUNTS)
+_COUNTS = Counts("requests_rolled_back", "blocks_evicted", "reloads_refused")
+_count = _COUNTS.add
+counters = _COUNTS.snapshot
 
 
 def make_handle_invalid(original):
@@ -131,8 +122,6 @@ def make_build_meta(original):
     return build_connector_meta
 
 
-
-
 def _handle_invalid_ok(original) -> str | None:
     problem = _expects(
         ["self", "invalid_block_ids", "num_scheduled_tokens"],
@@ -152,8 +141,6 @@ def _handle_invalid_ok(original) -> str | None:
     if not callable(getattr(importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager, "evict_blocks", None)):
         return "KVCacheManager.evict_blocks is gone"
     return None
-
-
 
 
 SPECS = (

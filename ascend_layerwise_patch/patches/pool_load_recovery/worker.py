@@ -8,7 +8,9 @@ import functools
 import threading
 
 from ...host import logger
+from .._checks import Counts
 from .._checks import expects as _expects
+from .._checks import lookup as _lookup
 from .._checks import source as _source
 from .._targets import STORE
 from ._common import spec
@@ -23,18 +25,9 @@ COPY_FAILED = "load batch_copy failed with return code"
 #: receiving thread: [req_id] of requests whose copy failed, taken by the worker at its next step
 _FAILED_COPIES = "_ascend_layerwise_patch_failed_copies"
 
-_COUNTS = {"failed_loads_reported": 0, "failed_copies_reported": 0, "blocks_reported": 0, "saves_dropped": 0}
-_LOCK = threading.Lock()
-
-
-def _count(name: str, n: int = 1) -> None:
-    with _LOCK:
-        _COUNTS[name] += n
-
-
-def counters() -> dict[str, int]:
-    with _LOCK:
-        return dict(_COUNTS)
+_COUNTS = Counts("failed_loads_reported", "failed_copies_reported", "blocks_reported", "saves_dropped")
+_count = _COUNTS.add
+counters = _COUNTS.snapshot
 
 
 class _HeldReleases:
@@ -334,10 +327,7 @@ def _upstream_reports_copies(original) -> str | None:
 
 
 def _upstream_reports_copies_any(_original) -> str | None:
-    import importlib
-
-    thread = importlib.import_module(f"{STORE}.kv_transfer").KVCacheStoreLayerRecvingThread
-    return _upstream_reports_copies(thread._handle_request)
+    return _upstream_reports_copies(_lookup(f"{STORE}.kv_transfer:KVCacheStoreLayerRecvingThread._handle_request"))
 
 
 def _prepare_load_ok(original) -> str | None:
@@ -347,11 +337,7 @@ def _prepare_load_ok(original) -> str | None:
     )(original)
     if problem:
         return problem
-    import importlib
-
-    module, _, cls = WORKER.partition(":")
-    worker = getattr(importlib.import_module(module), cls)
-    text = _source(getattr(worker, "process_layer_data", None))
+    text = _source(getattr(_lookup(WORKER), "process_layer_data", None))
     saves, load, alloc = (text.find(name) for name in ("_process_save_for_layer_batch(", "_prepare_load_gvas(", "_alloc_gvas_for_save("))
     if min(saves, load, alloc) < 0 or not saves < load < alloc:
         return "KVPoolWorker.process_layer_data no longer builds save tasks, then prepares loads, then allocates saves"
@@ -365,10 +351,7 @@ def _upstream_reports(original) -> str | None:
 
 
 def _upstream_reports_step(_original) -> str | None:
-    import importlib
-
-    module, _, cls = WORKER.partition(":")
-    return _upstream_reports(getattr(importlib.import_module(module), cls)._prepare_load_gvas)
+    return _upstream_reports(_lookup(f"{WORKER}._prepare_load_gvas"))
 
 
 SPECS = (
