@@ -231,7 +231,9 @@ class PoolService:
                     self.over_releases.append(k)
         return 0
 
-    def batch_copy(self, gvas, addrs, sizes, direction) -> int:
+    def batch_copy(self, gvas, addrs, sizes, direction, host: "LocalHost | None" = None) -> int:
+        """``host``: the memory of the process whose addresses ``addrs`` are (default: this one's)."""
+        host = host or LocalHost(self.regions)
         with self.lock:
             targets = []
             for gva, addr, size in zip(gvas, addrs, sizes):
@@ -271,17 +273,19 @@ class PoolService:
                     self.violations.append(Violation("gva-range", f"{blob.key} [{off}, {off + size}) of {len(blob.data)}"))
                     self._log(direction, keys, -1)
                     return -1
-                if not any(start <= addr and addr + size <= start + n for start, n in self.regions):
-                    self.violations.append(Violation("host-range", f"{addr:#x}+{size} for {blob.key}"))
-                    self._log(direction, keys, -1)
-                    return -1
-            for blob, off, addr, size in targets:
-                pool_addr = blob.data.ctypes.data + off
-                if direction == L2G:
-                    ctypes.memmove(pool_addr, addr, size)
+            outside = host.outside([(addr, size) for _b, _o, addr, size in targets])
+            if outside:
+                blob, _off, addr, size = targets[outside[0]]
+                self.violations.append(Violation("host-range", f"{addr:#x}+{size} for {blob.key}"))
+                self._log(direction, keys, -1)
+                return -1
+            if direction == L2G:  # the host memory is read when the copy runs (after its faults)
+                for (blob, off, _addr, size), data in zip(targets, host.read([(addr, size) for _b, _o, addr, size in targets])):
+                    blob.data[off : off + size] = np.frombuffer(data, dtype=np.uint8)
                     blob.writes.append((off, size, now, True))
-                else:
-                    ctypes.memmove(addr, pool_addr, size)
+            else:
+                host.write([(addr, blob.data[off : off + size].tobytes()) for blob, off, addr, size in targets])
+            for blob, off, addr, size in targets:
                 self.bytes[direction] += size
                 self.key_bytes[direction][blob.key] = self.key_bytes[direction].get(blob.key, 0) + size
             self.copies[direction] += 1
@@ -291,6 +295,142 @@ class PoolService:
     def _log(self, direction, keys, res) -> None:
         with self.lock:
             self.copy_log.append((direction, keys, res))
+
+
+class LocalHost:
+    """The memory of this process, as a copy reaches it: only inside the registered ``regions``."""
+
+    def __init__(self, regions):
+        self.regions = regions
+
+    def outside(self, ranges) -> list[int]:
+        """Indices of the (address, size) ranges not inside one registered region."""
+        return [i for i, (addr, size) in enumerate(ranges) if not any(s <= addr and addr + size <= s + n for s, n in self.regions)]
+
+    def read(self, ranges) -> list[bytes]:
+        return [ctypes.string_at(addr, size) for addr, size in ranges]
+
+    def write(self, items) -> None:
+        for addr, data in items:
+            ctypes.memmove(addr, data, len(data))
+
+
+# ------------------------------------------------------------------ a pool served to other processes
+# (the pool harness's TP ranks as processes: MemCache is a service every worker process talks to)
+#: a reply from the pool never takes longer than this: a gated copy waits GATE_LIMIT_S at most
+REPLY_LIMIT_S = GATE_LIMIT_S + 30.0
+
+
+class _RemoteHost(LocalHost):
+    """A client process's memory, reached over its connection while the service runs its copy."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def _ask(self, op, payload):
+        self.conn.send((op, payload))
+        if not self.conn.poll(REPLY_LIMIT_S):
+            raise TimeoutError(f"byte store: the client did not answer {op!r} within {REPLY_LIMIT_S} s")
+        return self.conn.recv()
+
+    def outside(self, ranges):
+        return self._ask("outside", ranges)
+
+    def read(self, ranges):
+        return self._ask("read", ranges)
+
+    def write(self, items):
+        self._ask("write", items)
+
+
+class PoolServer:
+    """Serves a :class:`PoolService` to other processes (one thread per client connection)."""
+
+    def __init__(self, service: PoolService):
+        from multiprocessing.connection import Listener
+
+        self.service = service
+        self.listener = Listener(family="AF_UNIX")
+        self.address = self.listener.address
+        self.closed = False
+        threading.Thread(target=self._accept, name="byte-store-server", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="byte-store-client", daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        svc = self.service
+        while True:
+            try:
+                name, args = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                if name == "batch_copy":
+                    reply = ("ok", svc.batch_copy(*args, host=_RemoteHost(conn)))
+                else:
+                    reply = ("ok", getattr(svc, name)(*args))
+            except Exception as exc:  # the client raises it (an injected "raise" fault, ...)
+                reply = ("raise", exc)
+            try:
+                conn.send(reply)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+
+class RemoteService:
+    """A client process's view of a :class:`PoolServer`'s pool (what :func:`install` takes there):
+    ``batch_*`` calls go to the service, one connection per calling thread (MemCache's client is
+    called from the worker's layer threads at once); host ranges are this process's."""
+
+    def __init__(self, address):
+        self.address = address
+        self.regions: list[tuple[int, int]] = []
+        self._local = threading.local()
+        self._host = LocalHost(self.regions)
+
+    def register_region(self, ptr: int, size: int) -> None:
+        self.regions.append((int(ptr), int(size)))
+
+    def _conn(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            from multiprocessing.connection import Client
+
+            conn = self._local.conn = Client(self.address, family="AF_UNIX")
+        return conn
+
+    def __getattr__(self, name):
+        if not name.startswith("batch_"):
+            raise AttributeError(name)
+        return lambda *args: self._call(name, args)
+
+    def _call(self, name, args):
+        conn = self._conn()
+        conn.send((name, args))
+        while True:
+            if not conn.poll(REPLY_LIMIT_S):
+                raise TimeoutError(f"byte store: no answer to {name} within {REPLY_LIMIT_S} s")
+            kind, payload = conn.recv()
+            if kind == "ok":
+                return payload
+            if kind == "raise":
+                raise payload
+            if kind == "outside":
+                conn.send(self._host.outside(payload))
+            elif kind == "read":
+                conn.send(self._host.read(payload))
+            else:  # write
+                conn.send(self._host.write(payload))
 
 
 class DistributedObjectStore:

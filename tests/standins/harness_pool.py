@@ -68,6 +68,7 @@ import os as _os
 import tempfile as _tempfile
 import threading
 import time
+import weakref
 from contextlib import contextmanager as _contextmanager
 from dataclasses import dataclass
 from pathlib import Path as _Path
@@ -83,6 +84,7 @@ from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_schedu
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_worker as _pool_worker  # noqa: F401
 
 import byte_store
+import rank_procs
 from byte_store import PoolService  # noqa: F401
 
 TIME_SCALE = 0.003  # save_kv_layer's 10 s wait -> 30 ms
@@ -137,9 +139,47 @@ def state_value(tokens, layer: int, rank_key, nbytes: int) -> bytes:
 
 
 def next_token(tokens) -> int:
-    """The token every rank 'samples' after ``tokens`` (deterministic, same on every instance)."""
+    """The token the model samples after ``tokens`` when every state and KV block it read was right
+    (deterministic, the same on every instance and schedule)."""
     d = _hashlib.blake2b(_np.asarray(tokens, dtype=_np.int64).tobytes(), digest_size=4).digest()
     return 10 + int.from_bytes(d, "little") % 50000
+
+
+# -------------------------------------------------------------- the stand-in model's hidden state
+# Each request carries a hidden state through the layers of a step. A layer's output is a function
+# of the hidden state coming in and of the bytes it read (its GDN state, or every computed KV block
+# of the request): from right bytes and a right hidden state it is the layer's true output for the
+# tokens (the same whatever the chunking, as a real model's would be); from anything else it is a
+# hash of the hidden state and of the bytes read. Each TP rank contributes its slice and the slices
+# are summed (TP's all-reduce: a real collective over the TP group when ranks are processes), so one
+# wrong byte on any rank changes the hidden state of every rank from that layer on, every state and
+# KV block written after it, and the token sampled (:func:`sample`).
+HIDDEN_BITS = 40
+_HIDDEN_MASK = (1 << HIDDEN_BITS) - 1
+CORRUPT_TOKEN_BASE = 50010  # a corrupted hidden state samples from [50010, 65536): never a clean token
+
+
+def _h40(*parts) -> int:
+    h = _hashlib.blake2b(digest_size=8, person=b"alp-hidden")
+    for part in parts:
+        h.update(part if isinstance(part, (bytes, bytearray)) else repr(part).encode())
+    return int.from_bytes(h.digest(), "little") & _HIDDEN_MASK
+
+
+def true_output(tokens, layer: int, rank: int) -> int:
+    """Rank ``rank``'s slice of layer ``layer``'s output for the last of ``tokens``, computed from
+    right inputs."""
+    return _h40("out", _np.asarray(tokens, dtype=_np.int64).tobytes(), layer, rank)
+
+
+def true_hidden(tokens, layer: int, tp: int) -> int:
+    """The all-reduced output of layer ``layer`` from right inputs on every one of ``tp`` ranks."""
+    return sum(true_output(tokens, layer, r) for r in range(tp))
+
+
+def sample(tokens, hidden: int, clean: bool) -> int:
+    """The token sampled from the last layer's hidden state."""
+    return next_token(tokens) if clean else CORRUPT_TOKEN_BASE + hidden % (65536 - CORRUPT_TOKEN_BASE)
 
 
 def _runtime():
@@ -365,6 +405,10 @@ class _Rank:
     def __init__(self, inst: "PoolInstance", rank: int):
         rt = _runtime()
         self.inst, self.rank = inst, rank
+        #: the TP group's CPU (gloo) group when the ranks are processes (``PoolInstance(processes=True)``)
+        self.group = None
+        self.hidden: dict[str, int] = {}
+        self.clean: dict[str, bool] = {}
         self.config = inst.configs[rank]
         self.kv_cache_config = inst.kv_cache_config
         self.in_forward = False
@@ -503,6 +547,7 @@ class _Rank:
         tensors = list(tensors)
         key = self.rank_key(name)
         bs = inst.block_size
+        outputs = {}
         for req_id in self.input_batch.req_ids:
             st = self.requests[req_id]
             tokens = self._tokens(st)
@@ -510,18 +555,20 @@ class _Rank:
             idx = (done + n - 1) // bs  # mamba_get_block_table_tensor (align): the block GDN reads and writes
             block_id = st.block_ids[group][idx]
             nbytes = sum(t[0].numel() * t[0].element_size() for t in tensors)
-            ok = True
+            ok, raw = True, b""
             if done > 0:  # has_initial_state
                 raw = self._block_bytes(tensors, block_id)
                 actual = self._decode(raw, tokens, layer, key, block_id)
                 inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, name, "gdn", idx, block_id, done, actual))
                 ok = actual == done
+            outputs[req_id] = out = self._layer_output(req_id, tokens[: done + n], layer, ok, raw)
             value = state_value(tokens[: done + n], layer, key, nbytes)
-            if not ok:  # computed on the wrong state: so is everything after
-                value = state_value([*tokens[: done + n], -1, *raw[:16]], layer, key, nbytes)
+            if out is not None:  # computed on a wrong state or hidden state: so is everything after
+                value = state_value([*tokens[: done + n], -1, out], layer, key, nbytes)
             if block_id == 0:  # vLLM's null block (BlockPool's first): shared by every request
                 inst.null_writes.append((inst.steps, req_id, name))
             self._write_block(tensors, block_id, value)
+        self._all_reduce(layer, outputs)
 
     def attention(self, query, layer_name):
         inst, so = self.inst, self.so
@@ -531,23 +578,54 @@ class _Rank:
         key = self.rank_key(layer_name)
         bs = inst.block_size
         nbytes = k[0].numel() * k[0].element_size() * 2
+        outputs = {}
         for req_id in self.input_batch.req_ids:
             st = self.requests[req_id]
             tokens = self._tokens(st)
             done, n = st.num_computed_tokens, so.num_scheduled_tokens[req_id]
-            ok = True
+            ok, raw = True, []
             for b in range(-(-done // bs)):
                 block_id = st.block_ids[group][b]
                 want = min((b + 1) * bs, done)
-                actual = self._decode(self._block_bytes((k, v), block_id), tokens, layer, key, block_id)
+                raw.append(self._block_bytes((k, v), block_id))
+                actual = self._decode(raw[-1], tokens, layer, key, block_id)
                 inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, layer_name, "attn", b, block_id, want, actual))
                 ok = ok and actual == want
             end = done + n
+            outputs[req_id] = out = self._layer_output(req_id, tokens[:end], layer, ok, b"".join(raw))
             for b in range(done // bs, -(-end // bs)):
                 upto = min((b + 1) * bs, end)
-                value = state_value(tokens[:upto], layer, key, nbytes) if ok else state_value([*tokens[:upto], -1], layer, key, nbytes)
+                # the KV of this step's tokens is computed from the hidden state coming in
+                value = state_value(tokens[:upto], layer, key, nbytes) if out is None else state_value([*tokens[:upto], -1, out], layer, key, nbytes)
                 self._write_block((k, v), st.block_ids[group][b], value)
+        self._all_reduce(layer, outputs)
         return query
+
+    # ------------------------------------------------------------------ the hidden state
+    def _layer_output(self, req_id: str, tokens, layer: int, read_ok: bool, raw: bytes) -> int | None:
+        """This rank's slice of the layer's output for ``req_id``: None when it is the true one (right
+        bytes read, right hidden state coming in), else a hash of the hidden state and the bytes read."""
+        if read_ok and self.clean[req_id]:
+            return None
+        return _h40("corrupt", layer, self.rank, self.hidden[req_id], raw)
+
+    def _all_reduce(self, layer: int, outputs: dict) -> None:
+        """TP's all-reduce of the layer's output slices: a SUM over the TP group's CPU (gloo) group
+        when the ranks are processes; one rank's own slice otherwise (the instance sums the ranks'
+        last hidden states when it samples, :meth:`PoolInstance._combine`)."""
+        reqs = self.input_batch.req_ids
+        ends = {r: self._tokens(self.requests[r])[: self.requests[r].num_computed_tokens + self.so.num_scheduled_tokens[r]] for r in reqs}
+        mine = [true_output(ends[r], layer, self.rank) if outputs[r] is None else outputs[r] for r in reqs]
+        if self.group is None:
+            for r, value in zip(reqs, mine):
+                self.hidden[r], self.clean[r] = value, outputs[r] is None
+            return
+        import torch.distributed as dist
+
+        summed = _torch.tensor(mine, dtype=_torch.int64)
+        dist.all_reduce(summed, group=self.group)
+        for r, value in zip(reqs, summed.tolist()):
+            self.hidden[r], self.clean[r] = value, value == true_hidden(ends[r], layer, self.inst.tp)
 
     # ------------------------------------------------------------------ execute_model, replayed
     def _update_states(self, so) -> None:
@@ -596,6 +674,9 @@ class _Rank:
             if self.connector is not None:
                 self.connector.handle_preemptions(so.kv_connector_metadata)
             self._update_states(so)
+            # every request enters the first layer with the true embedding of its tokens
+            self.hidden = dict.fromkeys(self.input_batch.req_ids, 0)
+            self.clean = dict.fromkeys(self.input_batch.req_ids, True)
             if not so.total_num_scheduled_tokens:
                 if self.connector is None:
                     return EMPTY_MODEL_RUNNER_OUTPUT
@@ -633,15 +714,19 @@ class _Rank:
             st = self.requests[req_id]
             tokens = self._tokens(st)
             end = st.num_computed_tokens + so.num_scheduled_tokens[req_id]
-            out_tokens.append([next_token(tokens[:end])] if end >= len(tokens) else [])
-        for req_id, toks in zip(self.input_batch.req_ids, out_tokens):
-            self.requests[req_id].output_token_ids.extend(toks)
+            out_tokens.append([sample(tokens[:end], self.hidden[req_id], self.clean[req_id])] if end >= len(tokens) else [])
         return ModelRunnerOutput(
             req_ids=list(self.input_batch.req_ids),
             req_id_to_index={r: i for i, r in enumerate(self.input_batch.req_ids)},
             sampled_token_ids=out_tokens,
             kv_connector_output=kv_output,
         )
+
+    def accept(self, output) -> None:
+        """The runner keeps the tokens sampled this step (the same on every rank)."""
+        for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
+            if toks and req_id in self.requests:
+                self.requests[req_id].output_token_ids.extend(toks)
 
     def _forward(self) -> None:
         rt = _runtime()
@@ -694,6 +779,7 @@ class PoolInstance:
         pp: int = 1,  # pipeline stages (the harness runs stage 0's ranks; see stage_workers)
         long_prefill_token_threshold: int = 0,  # vLLM's per-request chunk limit (0: none)
         async_scheduling: bool = False,  # vLLM's AsyncScheduler, stepped as step_with_batch_queue (depth 2)
+        processes: bool = False,  # one process per TP rank with a real gloo TP group (rank_procs)
     ):
         _runtime()
         from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
@@ -809,7 +895,6 @@ class PoolInstance:
         #: async scheduling: EngineCore's batch queue (depth 2, as with async_scheduling and no PP)
         self.batch_queue_size = 2 if async_scheduling else 0
         self.batch_queue: collections.deque = collections.deque()
-        self.ranks = [_Rank(self, r) for r in range(tp)]
         self.aggregator = (
             KVOutputAggregator.from_connector(self.scheduler.connector, tp) if self.scheduler.connector is not None else None
         )
@@ -818,7 +903,14 @@ class PoolInstance:
             return self._current_rank.attention(query, layer_name)
 
         self.attention_op = maybe_transfer_kv_layer(attention)
-        self._current_rank = self.ranks[0]
+        self.procs = self._current_rank = None
+        if processes:  # vLLM's MultiprocExecutor: each rank's state lives in its own process
+            self.ranks = []
+            self.procs = rank_procs.RankProcesses(self, _Rank)
+            weakref.finalize(self, self.procs.close)
+        else:  # every rank in this process (UniProcExecutor's shape at TP 1)
+            self.ranks = [_Rank(self, r) for r in range(tp)]
+            self._current_rank = self.ranks[0]
 
     def stage_workers(self) -> list:
         """One more AscendStore worker half per pipeline stage (TP rank 0 of each), built as a
@@ -888,6 +980,14 @@ class PoolInstance:
         so = self.scheduler.schedule()
         if self.after_schedule is not None:  # e.g. the pool evicts a key between hit check and load
             self.after_schedule(self, so)
+        output = self._execute(so, before_update=self.before_update)
+        self.scheduler.update_from_output(so, output)
+        return so
+
+    def _run_ranks(self, so) -> list:
+        """Every rank executes ``so``; their outputs, each rank's sampled tokens already kept."""
+        if self.procs is not None:
+            return self.procs.execute(so, self.steps, self)
         outputs = []
         for rank in self.ranks:
             self._current_rank = rank
@@ -897,25 +997,33 @@ class PoolInstance:
             # aggregator would set this step's aggregated kv_connector_output -- every later empty
             # step of every instance in this process would report it again (stale completed events)
             outputs.append(copy.copy(rank.execute(copy.deepcopy(so))))
-        output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
-        if self.before_update is not None:
-            self.before_update(self, so, output)
-        self.kv_outputs.append(output.kv_connector_output)  # what the scheduler is told, per step
-        for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
-            if toks:
-                self.outputs.setdefault(req_id, []).extend(toks)
-        self.scheduler.update_from_output(so, output)
-        self.steps += 1
-        return so
+        if self.tp > 1:  # ranks in one process: TP's all-reduce of the last hidden states, then sampling
+            self._combine(outputs)
+        for rank, output in zip(self.ranks, outputs):
+            rank.accept(output)
+        return outputs
 
-    def _execute(self, so):
+    def _combine(self, outputs) -> None:
+        ranks = self.ranks
+        for i, req_id in enumerate(outputs[0].req_ids):
+            if not outputs[0].sampled_token_ids[i]:
+                continue
+            st = ranks[0].requests[req_id]
+            tokens = ranks[0]._tokens(st)[: st.num_computed_tokens + ranks[0].so.num_scheduled_tokens[req_id]]
+            hidden = sum(rank.hidden[req_id] for rank in ranks)
+            clean = all(rank.clean[req_id] for rank in ranks)
+            token = sample(tokens, hidden, clean)
+            for output in outputs:
+                output.sampled_token_ids = list(output.sampled_token_ids)
+                output.sampled_token_ids[i] = [token]
+
+    def _execute(self, so, before_update=None):
         """Every rank executes ``so``; the aggregated output (what the executor's future yields)."""
-        outputs = []
-        for rank in self.ranks:
-            self._current_rank = rank
-            outputs.append(copy.copy(rank.execute(copy.deepcopy(so))))  # see _step
+        outputs = self._run_ranks(so)
         output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
-        self.kv_outputs.append(output.kv_connector_output)
+        if before_update is not None:  # sync scheduling: a hook on the output before the scheduler sees it
+            before_update(self, so, output)
+        self.kv_outputs.append(output.kv_connector_output)  # what the scheduler is told, per step
         for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
             if toks:
                 self.outputs.setdefault(req_id, []).extend(toks)
@@ -961,17 +1069,30 @@ class PoolInstance:
         return [r for r in self.reads_of(req_id, kind=kind) if not r.ok]
 
     # ------------------------------------------------------------------ time
+    def on_ranks(self, fn, *args) -> list:
+        """``fn(rank, *args)`` on every rank, in its process (``fn``: a module-level function)."""
+        if self.procs is not None:
+            return self.procs.call(fn, *args)
+        return [fn(rank, *args) for rank in self.ranks]
+
+    def close(self) -> None:
+        """Ends the rank processes (nothing to do when the ranks live in this process)."""
+        if self.procs is not None:
+            self.procs.close()
+
     def scale_save_wait(self) -> None:
         """``save_kv_layer``'s 10 s wait for the step's last layer lasts 10 s x ``TIME_SCALE`` on
         every rank (its events become :class:`ScaledEvent` s, in the list the sending thread shares)."""
-        for rank in self.ranks:
-            worker = rank.connector.connector_worker
-            events = worker.layer_save_finished_events
-            for i, ev in enumerate(events):
-                scaled = ScaledEvent()
-                if ev.is_set():
-                    scaled.set()
-                events[i] = scaled
+        self.on_ranks(_scale_save_wait)
+
+
+def _scale_save_wait(rank: _Rank) -> None:
+    events = rank.connector.connector_worker.layer_save_finished_events
+    for i, ev in enumerate(events):
+        scaled = ScaledEvent()
+        if ev.is_set():
+            scaled.set()
+        events[i] = scaled
 
 
 def engine_loop(inst: PoolInstance, *, max_steps: int = 1000, on_step=None) -> int:

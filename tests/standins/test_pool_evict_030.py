@@ -202,7 +202,11 @@ def test_reported_hybrid_load_failure_under_recompute_rolls_back_in_place(librar
     gdn = b.group_of[b.gdn_layers[0]]
     assert seen["computed"] == [0, 0]  # both recomputed from 0 (the failed step's tokens dropped)
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
-    assert {r.request_id: list(r.output_token_ids) for r in reqs} == reference  # the stand-in samples from tokens only
+    # the tokens are sampled from what the layers read: the wrong reads below reach them
+    got = {r.request_id: list(r.output_token_ids) for r in reqs}
+    differing = sum(x != y for req_id in reference for x, y in zip(got[req_id], reference[req_id]))
+    print(f"\nin-place hybrid recompute: {differing} of {sum(map(len, reference.values()))} tokens differ from a run without the pool")
+    assert differing > 0
     # the reported blocks stay in vLLM's prefix cache: a later local hit of the same prefix is served them
     assert seen["still_cached"] == seen["hit"]
     # align mode left the null block below each request's state; the in-place rollback keeps that table,
