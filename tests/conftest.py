@@ -9,6 +9,11 @@ from support import PAIR
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "pairs(*names): run only on these pairs of scripts/pairs.txt")
+    config.addinivalue_line(
+        "markers",
+        "control(why): passes with the library off too, and says why (scripts/library_off.py checks that "
+        "exactly these do)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

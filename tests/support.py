@@ -92,3 +92,26 @@ def expected_states():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ------------------------------------------------------------------ a group off, then back as configured
+def activate_skipping(*groups: str):
+    """Re-activates the library with ``groups`` skipped (none: as this process's environment says --
+    every group on, or nothing under ``ASCEND_LAYERWISE_PATCH=0``); returns the registry.
+
+    A defect test runs its scenario with its group skipped (the defect must show) and then as
+    configured (it must not): under ``ASCEND_LAYERWISE_PATCH=0`` the second run fails on the defect
+    itself. Whether the group applies is asserted by its own test (:func:`group_states`)."""
+    import ascend_layerwise_patch
+
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    skip = ",".join(filter(None, [os.environ.get("ASCEND_LAYERWISE_PATCH_SKIP"), *groups]))
+    reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": skip} if groups else None)
+    return reg
+
+
+def group_states(group: str) -> set[str]:
+    import ascend_layerwise_patch
+
+    return {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == group}

@@ -779,7 +779,9 @@ class PoolInstance:
         pp: int = 1,  # pipeline stages (the harness runs stage 0's ranks; see stage_workers)
         long_prefill_token_threshold: int = 0,  # vLLM's per-request chunk limit (0: none)
         async_scheduling: bool = False,  # vLLM's AsyncScheduler, stepped as step_with_batch_queue (depth 2)
-        processes: bool = False,  # one process per TP rank with a real gloo TP group (rank_procs)
+        #: one process per TP rank with a real gloo TP group (rank_procs), as vLLM's MultiprocExecutor
+        #: runs TP > 1; None: processes at TP > 1, the ranks in this process at TP 1 (UniProcExecutor)
+        processes: bool | None = None,
     ):
         _runtime()
         from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
@@ -904,6 +906,8 @@ class PoolInstance:
 
         self.attention_op = maybe_transfer_kv_layer(attention)
         self.procs = self._current_rank = None
+        if processes is None:
+            processes = tp > 1
         if processes:  # vLLM's MultiprocExecutor: each rank's state lives in its own process
             self.ranks = []
             self.procs = rank_procs.RankProcesses(self, _Rank)
@@ -1075,6 +1079,12 @@ class PoolInstance:
             return self.procs.call(fn, *args)
         return [fn(rank, *args) for rank in self.ranks]
 
+    def contents(self, req_id: str, layers, block_index: int) -> dict[tuple[int, str], int | str]:
+        """What every rank's block ``block_index`` of ``req_id`` holds now for each of ``layers``
+        (:meth:`_Rank.content`), by (rank, layer)."""
+        per_rank = self.on_ranks(_contents, req_id, list(layers), block_index)
+        return {(r, name): value for r, values in enumerate(per_rank) for name, value in zip(layers, values)}
+
     def close(self) -> None:
         """Ends the rank processes (nothing to do when the ranks live in this process)."""
         if self.procs is not None:
@@ -1086,6 +1096,10 @@ class PoolInstance:
         self.on_ranks(_scale_save_wait)
 
 
+def _contents(rank: _Rank, req_id: str, layers, block_index: int) -> list:
+    return [rank.content(req_id, name, block_index) for name in layers]
+
+
 def _scale_save_wait(rank: _Rank) -> None:
     events = rank.connector.connector_worker.layer_save_finished_events
     for i, ev in enumerate(events):
@@ -1093,6 +1107,27 @@ def _scale_save_wait(rank: _Rank) -> None:
         if ev.is_set():
             scaled.set()
         events[i] = scaled
+
+
+def reference_outputs(requests: dict[str, list[int]], max_tokens: int = 1, **kwargs) -> dict[str, list[int]]:
+    """The tokens a run without the pool samples for each prompt (the same stand-in model)."""
+    inst = PoolInstance(None, name="reference", **kwargs)
+    for req_id, prompt in requests.items():
+        inst.add_request(req_id, prompt, max_tokens=max_tokens)
+    engine_loop(inst)
+    return {req_id: list(inst.outputs.get(req_id, [])) for req_id in requests}
+
+
+def differing_tokens(outputs: dict[str, list[int]], reference: dict[str, list[int]]) -> int:
+    """How many of ``reference``'s tokens ``outputs`` does not have at their place."""
+    return sum(sum(x != y for x, y in zip(outputs.get(r, []), ref)) + max(0, len(ref) - len(outputs.get(r, []))) for r, ref in reference.items())
+
+
+def _ranks_here(inst: PoolInstance, driver: str) -> list:
+    """The instance's ranks, for a driver that reaches into their memory from this process."""
+    if inst.procs is not None:
+        raise TypeError(f"{driver} reaches into the ranks' memory from the engine's process: build {inst.name} with processes=False")
+    return inst.ranks
 
 
 def engine_loop(inst: PoolInstance, *, max_steps: int = 1000, on_step=None) -> int:
@@ -1262,7 +1297,7 @@ class InFlightWrites:
             return update(so, output)
 
         inst._execute, inst.scheduler.update_from_output = _execute, update_from_output
-        for rank in inst.ranks:
+        for rank in _ranks_here(inst, "InFlightWrites"):
             self._wrap(rank)
 
     def _wrap(self, rank: _Rank) -> None:
@@ -1310,7 +1345,7 @@ class DelayedUploads:
     def __init__(self, inst: PoolInstance, rank: int = 0):
         self.pending: list[tuple] = []  # (upload number, buffer, rows as uploaded)
         self.uploads = self.wrong_rows = self.rows = 0
-        bufs = inst.ranks[rank].mamba_bufs.preprocess
+        bufs = _ranks_here(inst, "DelayedUploads")[rank].mamba_bufs.preprocess
         for buf in (bufs.src_ptrs, bufs.dst_ptrs, bufs.sizes):
             self._wrap(buf)
 
@@ -1468,7 +1503,7 @@ class BlockOwners:
         self.lock = threading.Lock()
         nb = inst.kv_cache_config.num_blocks
         #: (start, size, page) of every rank's cache tensors: a host address names its block
-        self.regions = [(raw.data_ptr(), raw.numel(), raw.numel() // nb) for rank in inst.ranks for raw in rank._raw]
+        self.regions = [(raw.data_ptr(), raw.numel(), raw.numel() // nb) for rank in _ranks_here(inst, "BlockOwners") for raw in rank._raw]
         for g, single in enumerate(manager.coordinator.single_type_managers):
             self._wrap(g, single)
         add = inst.add_request
@@ -1728,6 +1763,7 @@ def make_lifetime(*, tp: int = 1, num_blocks: int = 16, chunk: int = 8, seed_ski
         long_prefill_token_threshold=chunk,
         # as long as the cache allows (vLLM checks it); 128 as test_send_pool's instances (one model config)
         max_model_len=24 if num_blocks < 10 else 28 if num_blocks < 48 else 128,
+        processes=False,  # BlockOwners reads every rank's cache memory from this process
     )
     inst.scale_save_wait()
     return Lifetime(inst, seed_skip_touch=seed_skip_touch)

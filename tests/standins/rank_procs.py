@@ -22,8 +22,10 @@ collective another rank never entered raises after ``COLLECTIVE_TIMEOUT_S`` (glo
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -115,14 +117,34 @@ class RankProcesses:
             lines = [f"instance {self.name}, {what}: TP ranks {sorted(errors) + missing} failed"]
             if missing:
                 lines.append(f"ranks {missing} did not come back within {limit:.0f} s")
+                stacks = self._stacks(missing)
             answered = [r for r in ranks if r in replies]
             if answered:
                 lines.append(f"ranks {answered} answered")
             for r, text in sorted(errors.items()):
                 lines.append(f"--- rank {r} raised:\n{text}")
+            for r, text in (stacks if missing else {}).items():
+                lines.append(f"--- rank {r} is at:\n{text}")
             self.close()
             raise RankFailure("\n".join(lines))
         return [replies[r] for r in ranks]
+
+    def _stacks(self, ranks) -> dict[int, str]:
+        """Where each of ``ranks`` is (its threads' Python stacks), as far as it can tell."""
+        for r in ranks:
+            try:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(0.5)
+        out = {}
+        for r in ranks:
+            try:
+                with open(_stack_file(self.init_file, r)) as f:
+                    out[r] = f.read().strip() or "(no stack: it did not reach the rank's main loop)"
+            except OSError:
+                out[r] = "(no stack: it did not reach the rank's main loop)"
+        return out
 
     def close(self) -> None:
         if self.closed:
@@ -142,13 +164,18 @@ class RankProcesses:
             conn.close()
         if self.server is not None:
             self.server.close()
-        try:
-            os.unlink(self.init_file)
-        except OSError:
-            pass
+        for path in [self.init_file] + [_stack_file(self.init_file, r) for r in range(self.tp)]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------------- in the rank process
+def _stack_file(init_file: str, rank: int) -> str:
+    return f"{init_file}.rank{rank}.stack"
+
+
 def _tp_group(rank: int, tp: int, init_file: str, config):
     """A gloo process group of ``tp`` ranks, installed as vLLM's TP group; its CPU group."""
     import torch.distributed as dist
@@ -179,6 +206,14 @@ def _tp_group(rank: int, tp: int, init_file: str, config):
 
 def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
     try:
+        # the engine's process may have run OpenMP regions (torch's intra-op pool): a forked child's
+        # first parallel region would wait for the parent's pool threads forever (as DataLoader
+        # workers, one thread per rank process)
+        import torch
+
+        torch.set_num_threads(1)
+        # where this rank is, on the parent's request (SIGUSR1), when it does not answer in time
+        faulthandler.register(signal.SIGUSR1, file=open(_stack_file(init_file, r), "w"), all_threads=True)
         if address is not None:  # this process reaches the pool as a MemCache client does
             inst.pool = byte_store.RemoteService(address)
             byte_store.install(inst.pool)

@@ -40,12 +40,17 @@ def _set(on: bool) -> None:
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     reg.activate(environ=dict(os.environ) if on else {**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": gdn_tp_keys.GROUP})
-    ours = [st for st in reg.status() if st.name in _NAMES]
-    if on:  # gdn_tp_finish is skipped as fixed upstream on vllm-ascend 0.26.0rc1
-        assert all(st.state == APPLIED or st.reason.startswith("already fixed upstream") for st in ours), reg.status()
-        assert {st.name for st in ours if st.state == APPLIED} >= _NAMES - {"gdn_tp_finish"}, reg.status()
-    else:
-        assert {st.state for st in ours} == {SKIPPED}, reg.status()
+    if not on:
+        assert {st.state for st in reg.status() if st.name in _NAMES} == {SKIPPED}, reg.status()
+
+
+def test_gdn_tp_keys_applies(library):
+    """The group's state, on its own (the defect tests run as configured)."""
+    library(True)
+    ours = [st for st in ascend_layerwise_patch.REGISTRY.status() if st.name in _NAMES]
+    # gdn_tp_finish is skipped as fixed upstream on vllm-ascend 0.26.0rc1
+    assert all(st.state == APPLIED or st.reason.startswith("already fixed upstream") for st in ours), ours
+    assert {st.name for st in ours if st.state == APPLIED} >= _NAMES - {"gdn_tp_finish"}, ours
 
 
 @pytest.fixture
@@ -69,9 +74,7 @@ def _save_then_hit(tp: int, kv_heads: int, pool=None):
 
     def after(inst, _so):
         if not held:
-            for rank in inst.ranks:
-                for name in inst.gdn_layers:
-                    held[rank.rank, name] = rank.content("b", name, HIT // inst.block_size - 1)
+            held.update(inst.contents("b", inst.gdn_layers, HIT // inst.block_size - 1))
 
     engine_loop(b, on_step=after)
     return pool, a, b, held
@@ -208,9 +211,7 @@ def test_tensor_parallel_invariants_soak(layout, prompt_len, extra):
 
     def after(inst, _so):
         if not held:
-            for rank in inst.ranks:
-                for name in inst.gdn_layers:
-                    held[rank.rank, name] = rank.content("b", name, hit // inst.block_size - 1)
+            held.update(inst.contents("b", inst.gdn_layers, hit // inst.block_size - 1))
 
     engine_loop(b, on_step=after)
     assert held == {(r, name): hit for r in range(tp) for name in b.gdn_layers}

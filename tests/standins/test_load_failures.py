@@ -25,7 +25,7 @@ if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 from byte_store import G2L  # noqa: E402
-from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
@@ -42,7 +42,14 @@ def _set(on: bool) -> None:
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     reg.activate(environ=dict(os.environ) if on else {**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": load_failures.GROUP})
-    assert {st.state for st in reg.status() if st.name in _NAMES} == ({APPLIED} if on else {SKIPPED}), reg.status()
+    if not on:
+        assert {st.state for st in reg.status() if st.name in _NAMES} == {SKIPPED}, reg.status()
+
+
+def test_load_failures_applies(library):
+    """The group's state, on its own (the defect tests run as configured)."""
+    library(True)
+    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.name in _NAMES} == {APPLIED}
 
 
 @pytest.fixture
@@ -151,8 +158,11 @@ def test_unpatched_computes_on_unloaded_blocks(library, expected):
     assert first and all(r.actual == "zero" for r in first)  # attention over blocks never loaded
     assert later  # and never recomputed: every later step reads them too
     assert run.req_b.status == RequestStatus.FINISHED_LENGTH_CAPPED  # delivered as if all was well
+    differ = differing_tokens(run.tokens(), {"b": expected["b"]})
     print(f"\nunpatched, attention load error: {len(first)} wrong attention block reads of b in the failed "
-          f"step, {len(later)} in the {run.b.steps - 1} steps after it; 0 blocks reported")
+          f"step, {len(later)} in the {run.b.steps - 1} steps after it; 0 blocks reported; "
+          f"{differ} of b's {len(expected['b'])} tokens differ from a run without the pool")
+    assert differ == len(expected["b"])  # every token it delivered was computed on blocks never loaded
 
 
 @pytest.mark.parametrize("reload", [False, True], ids=["no-reload", "change-off"])

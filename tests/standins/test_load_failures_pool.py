@@ -28,7 +28,7 @@ if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 from byte_store import G2L  # noqa: E402
-from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
@@ -60,14 +60,20 @@ def _set(mode: str) -> None:
     skip = _GROUPS[mode]
     reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": ",".join(sorted(skip))} if skip else dict(os.environ))
     for st in reg.status():
-        if st.group in _ALL:
-            assert st.state == (SKIPPED if st.group in skip else APPLIED), (st.name, st.state, st.reason)
+        if st.group in skip:
+            assert st.state == SKIPPED, (st.name, st.state, st.reason)
 
 
 @pytest.fixture
 def library():
     yield _set
     _set("on")
+
+
+def test_load_failure_groups_apply(library):
+    """The groups' state, on its own (the defect tests run as configured)."""
+    library("on")
+    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group in _ALL} == {APPLIED}
 
 
 @pytest.fixture(scope="module")
@@ -173,16 +179,18 @@ def test_failed_step_saves_are_never_published(library, expected, monkeypatch, f
 
 @pytest.mark.parametrize("mode", ["off", "saves_off"])
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
-def test_without_the_fix_the_failed_step_poisons_the_pool(library, mode, scheduling):
+def test_without_the_fix_the_failed_step_poisons_the_pool(library, expected, mode, scheduling):
     """The library's load-failure handling off (vllm-ascend as released, policy ``fail`` since it
     refuses ``recompute`` for hybrids), or only ``load_failures_saves`` off: B's failed step
     publishes its keys, and C computes on them."""
     library(mode)
     run = Run("error", policy="fail" if mode == "off" else "recompute", scheduling=scheduling)
     ready, wrong = run.ready_failed_step_keys(), run.wrong_reads_c()
+    sfx = "_async" if scheduling == "async" else ""
+    differ = differing_tokens({"c": list(run.req_c.output_token_ids)}, {"c": expected["c" + sfx]})
     print(f"\n{mode}, {scheduling}: {len(ready)} keys saved in the failed step published ready; {len(wrong)} wrong reads of C "
-          f"({len(run.wrong_reads_b())} of B after its failed step)")
-    assert ready and wrong
+          f"({len(run.wrong_reads_b())} of B after its failed step); {differ} of C's {len(expected['c' + sfx])} tokens differ")
+    assert ready and wrong and differ > 0  # C's tokens come from the poisoned keys
 
 
 # ------------------------------------------------------------------ rollback (load_failures_rollback)

@@ -16,20 +16,16 @@ vLLM 0.29.0).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-import ascend_layerwise_patch
-from ascend_layerwise_patch.registry import APPLIED, SKIPPED
-from support import PAIR
+from ascend_layerwise_patch.registry import APPLIED
+from support import PAIR, activate_skipping, group_states
 
 PAIRS = ("v0300",)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
-from harness_pool import PoolInstance, engine_loop  # noqa: E402
-from harness_pool import make_pool  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -39,35 +35,39 @@ BALANCE = {"scheduler_config": {"enable_balance_scheduling": True}}
 
 
 def _row(balance: bool):
-    """(wrong GDN reads, GDN reads, what they found) of B's first step."""
+    """(wrong GDN reads, GDN reads, what they found, B's tokens that differ from a run without the
+    pool) of B's first step."""
     inst = PoolInstance(make_pool(), name="A", additional_config=BALANCE if balance else None)
     assert inst.scheduler._balance_enabled == balance
-    for req_id, prompt in (("a", A), ("b", A[:16] + TAIL)):
+    prompts = {"a": A, "b": A[:16] + TAIL}
+    for req_id, prompt in prompts.items():
         inst.add_request(req_id, prompt)
         engine_loop(inst)
     reads = inst.reads_of("b", step=inst.first_step_of("b"))
-    return sum(not r.ok for r in reads), len(reads), sorted({(r.expected, r.actual) for r in reads}, key=str)
+    differ = differing_tokens(inst.outputs, reference_outputs({"b": prompts["b"]}))
+    return sum(not r.ok for r in reads), len(reads), sorted({(r.expected, r.actual) for r in reads}, key=str), differ
 
 
-def _activate(skip: str | None):
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": skip} if skip else None)
-    return {st.state for st in reg.status() if st.group == "mamba_local_hit"}
-
-
-def test_balance_scheduling_local_hit_keeps_its_mamba_state():
+def _rows(skip: str | None) -> dict:
     import harness_pool
 
     harness_pool._runtime()
     try:
-        assert _activate("mamba_local_hit") == {SKIPPED}
-        off = {balance: _row(balance) for balance in (True, False)}
-        assert _activate(None) == {APPLIED}
-        on = {balance: _row(balance) for balance in (True, False)}
+        activate_skipping(*([skip] if skip else []))
+        return {balance: _row(balance) for balance in (True, False)}
     finally:
-        _activate(None)
+        activate_skipping()
+
+
+def test_mamba_local_hit_applies():
+    assert group_states("mamba_local_hit") == {APPLIED}
+
+
+def test_balance_scheduling_local_hit_keeps_its_mamba_state():
+    off = _rows("mamba_local_hit")
+    on = _rows(None)
     print(f"\nmamba_local_hit off: balance {off[True]}, plain {off[False]}\nmamba_local_hit on:  balance {on[True]}, plain {on[False]}")
-    assert off[True][:2] == (2, 2)  # both GDN layers read a state nobody cached at 16 tokens
-    assert on[True][:2] == (0, 2)
-    assert off[False][:2] == on[False][:2] == (0, 2)  # vLLM 0.30's own path: right either way
+    # both GDN layers read a state nobody cached at 16 tokens: B samples a wrong token
+    assert (off[True][:2], off[True][3]) == ((2, 2), 1)
+    assert (on[True][:2], on[True][3]) == ((0, 2), 0)
+    assert (off[False][:2], off[False][3]) == (on[False][:2], on[False][3]) == ((0, 2), 0)  # vLLM 0.30's own path

@@ -16,19 +16,17 @@ the worker does, cannot run either.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.registry import APPLIED, SKIPPED
-from support import PAIR
+from ascend_layerwise_patch.registry import APPLIED
+from support import PAIR, activate_skipping, group_states
 
 PAIRS = ("v0300",)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
-from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -46,7 +44,7 @@ def whole_prompt(chunk: int = 256):
     _serve(PoolInstance(pool, name="A", max_num_batched_tokens=chunk), "a", A)
     b = PoolInstance(pool, name="B")
     _serve(b, "b", A[:32])
-    return b
+    return b, A[:32]
 
 
 def pool_hit_plus_5():
@@ -55,7 +53,7 @@ def pool_hit_plus_5():
     _serve(PoolInstance(pool, name="A"), "a", A)
     b = PoolInstance(pool, name="B")
     _serve(b, "b", A[:32] + [7, 8, 9, 10, 11])
-    return b
+    return b, A[:32] + [7, 8, 9, 10, 11]
 
 
 SCENARIOS = {
@@ -66,45 +64,46 @@ SCENARIOS = {
 
 
 def _row(name: str):
-    """(wrong GDN reads, GDN reads, the tokens B's GDN layers resumed from) of B's first step."""
-    b = SCENARIOS[name]()
+    """(wrong GDN reads, GDN reads, the tokens B's GDN layers resumed from, B's tokens that differ
+    from a run without the pool) of B's first step."""
+    b, prompt = SCENARIOS[name]()
     reads = b.reads_of("b", step=b.first_step_of("b"))
-    return sum(not r.ok for r in reads), len(reads), sorted({r.expected for r in reads})
+    differ = differing_tokens(b.outputs, reference_outputs({"b": prompt}))
+    return sum(not r.ok for r in reads), len(reads), sorted({r.expected for r in reads}), differ
 
 
-def _activate(skip: str | None):
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": skip} if skip else None)
-    return reg
-
-
-def test_whole_prompt_hit_resumes_on_a_saved_state():
-    """Group off: B's GDN layers read the state saved at the prompt end while resuming at 31 (one
-    wrong read per GDN layer, 2). On: B resumes where a state was saved -- 0 (nothing saved below 32:
-    the prompt recomputes) or 16 -- and reads it right. The control is right either way."""
+def _rows(skip: str | None) -> dict:
     import harness_pool
 
     harness_pool._runtime()  # every target imported first
     try:
-        reg = _activate("pool_hit_boundary")
-        assert {st.state for st in reg.status() if st.group == "pool_hit_boundary"} == {SKIPPED}
-        off = {name: _row(name) for name in SCENARIOS}
-        reg = _activate(None)
-        assert {st.state for st in reg.status() if st.group == "pool_hit_boundary"} == {APPLIED}
-        on = {name: _row(name) for name in SCENARIOS}
+        activate_skipping(*([skip] if skip else []))
+        return {name: _row(name) for name in SCENARIOS}
     finally:
-        _activate(None)
+        activate_skipping()
+
+
+def test_pool_hit_boundary_applies():
+    assert group_states("pool_hit_boundary") == {APPLIED}
+
+
+def test_whole_prompt_hit_resumes_on_a_saved_state():
+    """Group off: B's GDN layers read the state saved at the prompt end while resuming at 31 (one
+    wrong read per GDN layer, 2) and B samples a wrong token. As configured (the library on): B
+    resumes where a state was saved -- 0 (nothing saved below 32: the prompt recomputes) or 16 --
+    reads it right and samples the token of a run without the pool. The control is right either way."""
+    off = _rows("pool_hit_boundary")
+    on = _rows(None)
     print(f"\npool_hit_boundary off: {off}\npool_hit_boundary on:  {on}")
-    assert off["whole_prompt_one_chunk"] == (2, 2, [31])
-    assert off["whole_prompt_16_token_chunks"] == (2, 2, [31])
-    assert on["whole_prompt_one_chunk"] == (0, 0, [])  # resumed at 0: no state read at all
-    assert on["whole_prompt_16_token_chunks"] == (0, 2, [16])
-    assert off["pool_hit_plus_5"] == on["pool_hit_plus_5"] == (0, 2, [32])
+    assert off["whole_prompt_one_chunk"] == (2, 2, [31], 1)
+    assert off["whole_prompt_16_token_chunks"] == (2, 2, [31], 1)
+    assert on["whole_prompt_one_chunk"] == (0, 0, [], 0)  # resumed at 0: no state read at all
+    assert on["whole_prompt_16_token_chunks"] == (0, 2, [16], 0)
+    assert off["pool_hit_plus_5"] == on["pool_hit_plus_5"] == (0, 2, [32], 0)
 
 
 def test_library_off_reads_wrong_states():
-    """The whole library off (every group reverted): the same 2 wrong reads."""
+    """The whole library off (every group reverted): the same 2 wrong reads and a wrong token."""
     import harness_pool
 
     harness_pool._runtime()
@@ -114,9 +113,9 @@ def test_library_off_reads_wrong_states():
         assert not [st.name for st in reg.status() if st.state == APPLIED]
         row = _row("whole_prompt_one_chunk")
     finally:
-        reg.activate()
+        activate_skipping()
     print(f"\nlibrary off, whole_prompt_one_chunk: {row}")
-    assert row == (2, 2, [31])
+    assert row == (2, 2, [31], 1)
 
 
 def test_detector_probe_lands_where_the_method_lands():

@@ -13,20 +13,18 @@ TP 4 still hits and reads right with the group on. The same key shape is what a 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import ascend_layerwise_patch
-from ascend_layerwise_patch.registry import APPLIED, SKIPPED
-from support import PAIR
+from ascend_layerwise_patch.registry import APPLIED
+from support import PAIR, activate_skipping, group_states
 
 PAIRS = ("v0300",)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 import byte_store  # noqa: E402
-from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -34,40 +32,42 @@ A = list(range(1000, 1040))
 
 
 def _row(reader_tp: int):
-    """(wrong GDN reads, GDN reads, keys loaded) of R's request."""
+    """(wrong GDN reads, GDN reads, keys loaded, R's tokens that differ from a run without the pool)."""
     pool = make_pool()
     w = PoolInstance(pool, name="W", tp=4, kv_heads=2)
     w.add_request("a", A)
     engine_loop(w)
+    prompt = A[:32] + [7, 8, 9, 10, 11]
     r = PoolInstance(pool, name="R", tp=reader_tp, kv_heads=2)
-    r.add_request("b", A[:32] + [7, 8, 9, 10, 11])
+    r.add_request("b", prompt)
     engine_loop(r)
     reads = r.reads_of("b", step=r.first_step_of("b"))
-    return sum(not x.ok for x in reads), len(reads), len(pool.key_bytes[byte_store.G2L])
+    differ = differing_tokens(r.outputs, reference_outputs({"b": prompt}))
+    return sum(not x.ok for x in reads), len(reads), len(pool.key_bytes[byte_store.G2L]), differ
 
 
-def _activate(skip: str | None):
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": skip} if skip else None)
-    return {st.state for st in reg.status() if st.group == "pool_key_tp"}
-
-
-def test_a_pool_written_at_another_tp_size_is_not_read():
+def _rows(skip: str | None) -> dict:
     import harness_pool
 
     harness_pool._runtime()
     try:
-        assert _activate("pool_key_tp") == {SKIPPED}
-        off = {tp: _row(tp) for tp in (2, 4)}
-        assert _activate(None) == {APPLIED}
-        on = {tp: _row(tp) for tp in (2, 4)}
+        activate_skipping(*([skip] if skip else []))
+        return {tp: _row(tp) for tp in (2, 4)}
     finally:
-        _activate(None)
+        activate_skipping()
+
+
+def test_pool_key_tp_applies():
+    assert group_states("pool_key_tp") == {APPLIED}
+
+
+def test_a_pool_written_at_another_tp_size_is_not_read():
+    off = _rows("pool_key_tp")
+    on = _rows(None)
     print(f"\npool_key_tp off: reader TP 2 {off[2]}, TP 4 {off[4]}\npool_key_tp on:  reader TP 2 {on[2]}, TP 4 {on[4]}")
-    assert off[2][:2] == (4, 4)  # every GDN layer of both ranks read a TP 4 slice
-    assert on[2][0] == 0 and on[2][2] == 0  # TP 2 misses the TP 4 keys: recomputed
-    assert off[4][0] == on[4][0] == 0 and on[4][2] > 0  # same TP size: still hit, read right
+    assert off[2][:2] == (4, 4) and off[2][3] == 1  # every GDN layer of both ranks read a TP 4 slice: a wrong token
+    assert on[2][0] == 0 and on[2][2] == 0 and on[2][3] == 0  # TP 2 misses the TP 4 keys: recomputed
+    assert off[4][0] == on[4][0] == 0 and on[4][2] > 0 and off[4][3] == on[4][3] == 0  # same TP size: still hit, read right
 
 
 def test_detector_sees_no_tp_size_in_upstream_keys():

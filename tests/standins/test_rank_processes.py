@@ -105,9 +105,10 @@ def test_a_rank_that_never_answers_is_named(instances):
     instances.append(inst)
     inst.procs.reply_limit = 2.0
     start = time.monotonic()
-    with pytest.raises(rank_procs.RankFailure, match=r"ranks \[1\] did not come back within 2 s\nranks \[0\] answered"):
+    with pytest.raises(rank_procs.RankFailure, match=r"ranks \[1\] did not come back within 2 s\nranks \[0\] answered") as failure:
         inst.procs.call(_hang_rank_1, 30.0)
     assert time.monotonic() - start < 10.0
+    assert "--- rank 1 is at:" in str(failure.value) and "_hang_rank_1" in str(failure.value)  # where it hangs
 
 
 @pytest.mark.parametrize("processes", [True, False], ids=["processes", "one-process"])
@@ -137,12 +138,25 @@ def test_one_wrong_byte_on_one_rank_reaches_every_rank(instances, processes):
     assert inst.outputs["w"] != [next_token(PROMPT)]
 
 
-def test_tp8_over_two_kv_heads_saves_and_hits(instances):
-    """The production shape: TP 8 over 2 KV heads (put_step 4): attention keys from ranks 0 and 4
-    only, a GDN key from every rank; a second instance's hit reads every state right on every rank
-    and samples the tokens of a run without the pool."""
+#: (TP size, KV heads) the harness serves with ranks as processes; TP 8 over 2 KV heads is the
+#: production shape (put_step 4: attention keys from ranks 0 and 4 only)
+LAYOUTS = [(1, 2), (2, 1), (2, 4), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from harness_pool import reference_outputs
+
+    return reference_outputs({"b": PROMPT[:32] + [7, 8, 9, 10, 11]}, max_tokens=2)
+
+
+@pytest.mark.parametrize("tp,kv_heads", LAYOUTS, ids=[f"tp{t}-kv{k}" for t, k in LAYOUTS])
+def test_layout_saves_and_hits(instances, reference, tp, kv_heads):
+    """A saves, B (same layout, empty cache) hits 32 tokens: every rank of B reads every state and
+    KV block right and B samples the tokens of a run without the pool; the pool holds a GDN key of
+    every rank and attention keys of min(TP, KV heads) saving ranks."""
     pool = make_pool()
-    a = PoolInstance(pool, name="A8", tp=8, kv_heads=2, processes=True)
+    a = PoolInstance(pool, name="A", tp=tp, kv_heads=kv_heads, processes=True)
     instances.append(a)
     a.add_request("a", PROMPT, max_tokens=1)
     engine_loop(a)
@@ -152,18 +166,13 @@ def test_tp8_over_two_kv_heads_saves_and_hits(instances):
     ranks = {"attn": set(), "mamba": set()}
     for key in pool.ready_keys():
         ranks["mamba" if int(key.split("@")[1]) in mamba else "attn"].add(key.rsplit("@", 1)[1])
-    assert len(ranks["attn"]) == 2 and len(ranks["mamba"]) == 8, ranks
+    assert len(ranks["attn"]) == min(tp, kv_heads) and len(ranks["mamba"]) == tp, ranks
 
-    prompt_b = PROMPT[:32] + [7, 8, 9, 10, 11]
-    b = PoolInstance(pool, name="B8", tp=8, kv_heads=2, processes=True)
+    b = PoolInstance(pool, name="B", tp=tp, kv_heads=kv_heads, processes=True)
     instances.append(b)
-    b.add_request("b", prompt_b, max_tokens=2)
+    b.add_request("b", PROMPT[:32] + [7, 8, 9, 10, 11], max_tokens=2)
     engine_loop(b)
-    first = b.first_step_of("b")
-    reads = b.reads_of("b", step=first)
-    assert {r.rank for r in reads} == set(range(8)) and all(r.expected == 32 for r in reads)
+    reads = b.reads_of("b", step=b.first_step_of("b"))
+    assert {r.rank for r in reads} == set(range(tp)) and all(r.expected == 32 for r in reads)
     assert b.wrong_reads("b") == [] and b.wrong_reads("b", kind="attn") == []
-    clean = PoolInstance(None, name="C8", tp=1, kv_heads=2)
-    clean.add_request("b", prompt_b, max_tokens=2)
-    engine_loop(clean)
-    assert b.outputs["b"] == clean.outputs["b"]
+    assert b.outputs == reference

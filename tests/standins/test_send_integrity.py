@@ -42,9 +42,13 @@ def patched():
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     reg.activate()
-    assert {st.state for st in reg.status() if st.group == send_integrity.GROUP} == {APPLIED}
     yield
     reg.activate()
+
+
+def test_send_integrity_applies(patched):
+    """The group's state, on its own (the defect tests run as configured)."""
+    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == send_integrity.GROUP} == {APPLIED}
 
 
 @pytest.fixture

@@ -52,8 +52,6 @@ def _activate(monkeypatch, value: str | None) -> None:
     reg.revert()
     reg.activate()
     reg.apply_pending()
-    ours = {st.name: st for st in reg.status() if st.group == send_shedding.GROUP}
-    assert ours["send_shedding"].state == APPLIED, ours["send_shedding"]
 
 
 @pytest.fixture
@@ -62,6 +60,13 @@ def shedding(monkeypatch):
     yield
     monkeypatch.delenv(send_shedding.ENV_BACKLOG, raising=False)
     ascend_layerwise_patch.REGISTRY.activate()
+
+
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
+def test_send_shedding_applies(shedding):
+    """The group's state, on its own (the defect tests run as configured)."""
+    ours = {st.name: st for st in ascend_layerwise_patch.REGISTRY.status() if st.group == send_shedding.GROUP}
+    assert ours["send_shedding"].state == APPLIED, ours["send_shedding"]
 
 
 @pytest.fixture
