@@ -204,8 +204,30 @@ def _tp_group(rank: int, tp: int, init_file: str, config):
     return ps._TP.cpu_group
 
 
+def _fresh_std_streams() -> None:
+    """New ``sys.stdout`` / ``sys.stderr`` objects over the same descriptors, for this process and the
+    logging handlers that wrote to the old ones: a thread of the engine's process may have been
+    inside a write to them when this process was forked, and a buffered stream's internal lock is
+    not reset by fork (a rank then hangs at its first log line)."""
+    import logging
+    import sys
+
+    swap = {}
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        new = open(os.dup(fd), "w", buffering=1, encoding="utf-8", errors="replace", closefd=True)
+        for old in (getattr(sys, name), getattr(sys, f"__{name}__")):
+            swap[id(old)] = new
+        setattr(sys, name, new)
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            stream = getattr(handler, "stream", None)
+            if stream is not None and id(stream) in swap:
+                handler.stream = swap[id(stream)]  # not setStream: it would flush the old stream
+
+
 def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
     try:
+        _fresh_std_streams()
         # the engine's process may have run OpenMP regions (torch's intra-op pool): a forked child's
         # first parallel region would wait for the parent's pool threads forever (as DataLoader
         # workers, one thread per rank process)

@@ -245,7 +245,8 @@ def test_a_hung_send_is_counted_and_its_held_blocks_shown(library, monkeypatch):
     monkeypatch.setattr(send_integrity, "STUCK_AFTER_S", 10.0 * TIME_SCALE)
     monkeypatch.setattr(send_integrity, "STUCK_REPEAT_S", 60.0)
     pool = make_pool()
-    inst = PoolInstance(pool, name="A", tp=2)
+    # the ranks in this process: the test reads send_integrity's counters of the ranks' sending threads
+    inst = PoolInstance(pool, name="A", tp=2, processes=False)
     inst.scale_save_wait()
     tap = StatsTap(inst)
     f = pool.add_fault("gate", direction=L2G, times=1, match=lambda k: k.endswith("@1"))
@@ -290,7 +291,8 @@ def test_slow_sends_shed_saves_as_counted_by_the_bound(library, monkeypatch):
     shed0 = send_shedding.counters()["shed_saves"]
     stuck0 = send_integrity.counters()["stuck_sends_total"]
     pool = make_pool()
-    inst = PoolInstance(pool, max_model_len=512, num_blocks=120, max_num_seqs=8, tp=2)
+    # the ranks in this process: the test reads the shedding bound's and the send ledgers' own state
+    inst = PoolInstance(pool, max_model_len=512, num_blocks=120, max_num_seqs=8, tp=2, processes=False)
     inst.scale_save_wait()
     tap = StatsTap(inst)
     fault = slow_store(pool, seed=0)

@@ -83,7 +83,9 @@ def shedding_off(monkeypatch):
 def _instance(scenario: str, seed: int):
     inst_kw, soak_kw, slow_kw = SCENARIOS[scenario]
     pool = make_pool()
-    inst = PoolInstance(pool, max_model_len=512, **inst_kw)
+    # the ranks in this process: the tests read the shedding bound's counters and WARNING records
+    # where the ranks' sending threads write them
+    inst = PoolInstance(pool, max_model_len=512, processes=False, **inst_kw)
     inst.scale_save_wait()
     return pool, inst, soak_kw, slow_store(pool, seed=seed, **slow_kw)
 
@@ -157,7 +159,7 @@ def test_a_store_that_keeps_up_sheds_nothing(shedding):
     every prefix it would without them."""
     inst_kw, soak_kw, _slow = SCENARIOS["slow"]
     pool = make_pool()
-    inst = PoolInstance(pool, max_model_len=512, **inst_kw)
+    inst = PoolInstance(pool, max_model_len=512, processes=False, **inst_kw)  # see _instance
     inst.scale_save_wait()
     shed0 = send_shedding.counters()["shed_saves"]
     f = soak(inst, seed=1, deadline_s=60.0, **{**soak_kw, "requests": 20})
@@ -217,7 +219,7 @@ def test_026_a_slow_non_leader_rank_builds_a_backlog_or_stops_the_engine(vllm_lo
     assert row.state != APPLIED and "out of range" in row.reason, row
     inst_kw, soak_kw = NON_LEADER
     pool = make_pool()
-    inst = PoolInstance(pool, max_model_len=512, **inst_kw)
+    inst = PoolInstance(pool, max_model_len=512, processes=False, **inst_kw)  # see _instance
     cs = inst.scheduler.connector.connector_scheduler
     held_max = 0
     step = inst.step
