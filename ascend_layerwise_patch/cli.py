@@ -72,8 +72,7 @@ def _group_lines(rows: list[dict]) -> list[str]:
     fixes, groups = _fixes(), {}
     for row in rows:
         groups.setdefault(row["group"], []).append(row)
-    width = max(len(g) for g in groups) + 2
-    out = []
+    lines = []
     for group, members in groups.items():
         kinds = [_kind(m) for m in members]
         words = [_word(k, m["reason"]) for k, m in zip(kinds, members)]
@@ -85,9 +84,20 @@ def _group_lines(rows: list[dict]) -> list[str]:
             applied = kinds.count(_registry.APPLIED)
             state = f"applied {applied}/{len(members)}" if applied else "skipped"
             others = ", ".join(f"{m['name']} ({w})" for m, w in zip(members, words) if w != _registry.APPLIED)
-            reason = (fixes.get(group, "") + "; not applied here: " if applied else "") + others
-        out.append(_wrap(reason, width + 18, f"{group:<{width}}{state:<18}"))
-    return out
+            reason = f"not applied: {others}" + (f"; {fixes[group]}" if applied and group in fixes else "")
+        lines.append((group, state, reason))
+    width = max(len(g) for g in groups) + 2
+    states = max(len(state) for _, state, _ in lines) + 2
+    return [_wrap(reason, width + states, f"{group:<{width}}{state:<{states}}") for group, state, reason in lines]
+
+
+def _place_lines(place: dict) -> list[str]:
+    """``  copy    applied  module:qualname``, broken at the ``:`` (then before the module) past WIDTH."""
+    head, (module, _, qual) = f"  {place['role']:<8}{place['state']:<9}", place["place"].partition(":")
+    for lines in ([head + place["place"]], [head + module, " " * 19 + ":" + qual], [head.rstrip(), "    " + module, "    :" + qual]):
+        if max(map(len, lines)) <= WIDTH:
+            return lines
+    return lines
 
 
 def _verbose_lines(rows: list[dict]) -> list[str]:
@@ -96,15 +106,15 @@ def _verbose_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         ranges = "; ".join(f"{k}{v}" for k, v in r["ranges"].items() if v)
         out.append(f"{r['name']} ({r['group']}): {r['state']}")
-        out.append(_wrap(ranges or "any", 12, "  versions  "))
+        out.append(_wrap(ranges or "any", 10, "  ranges  "))
         if r.get("why"):
-            out.append(_wrap(r["why"], 12, "  why       "))
+            out.append(_wrap(r["why"], 10, "  why     "))
         if r["reason"]:
-            out.append(_wrap(r["reason"], 12, "  reason    "))
+            out.append(_wrap(r["reason"], 10, "  reason  "))
         for place in r["places"]:
-            out.append(f"  {place['role']:<10}{place['state']:<9}{place['place']}")
+            out += _place_lines(place)
             if place["role"] == "copy" and place["reason"]:
-                out.append(_wrap(place["reason"], 21, " " * 21))
+                out.append(_wrap(place["reason"], 19, " " * 19))
     return out
 
 
@@ -112,8 +122,7 @@ def _verdict(rows: list[dict], kinds: list[str], errors: list[str], found: dict)
     """One line: what the operator should do now."""
     bad = list(dict.fromkeys(r["group"] for r, k in zip(rows, kinds) if k in ("failed", _registry.PENDING)))
     if bad:
-        return (f"not ready: group(s) {', '.join(bad)} failed or pending and are left unpatched (the rest is "
-                "in force); read their reasons above (--verbose: every place)")
+        return f"not ready: {', '.join(bad)} failed or pending, left unpatched (the rest is in force); see above"
     if errors:
         return "not ready: fix the switches named in the error above"
     switched = sorted({r["group"] for r in rows if "skipped by" in r["reason"]})

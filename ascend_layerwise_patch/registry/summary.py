@@ -33,6 +33,15 @@ def counts(kinds: Iterable[str]) -> str:
     return ", ".join(f"{seen[k]} {k}" for k in (*COUNTED, PENDING, REVERTED) if k in COUNTED or seen[k])
 
 
+def _named(label: str, groups: list[str], room: int) -> str:
+    """``"; failed: a, b"``, as many names as fit in ``room`` characters (then "and N more")."""
+    for n in range(len(groups), 0, -1):
+        text = f"; {label}: {', '.join(groups[:n])}" + (f" and {len(groups) - n} more" if n < len(groups) else "")
+        if len(text) <= room:
+            return text
+    return f"; {label}: {len(groups)} groups"
+
+
 class Summary:
     def _log_when_host_logs(self, level: str, msg: str, *args: Any) -> None:
         """Log through the host's logger: now if its logging is set up, else once it is."""
@@ -78,11 +87,8 @@ class Summary:
         kinds = [kind(st.state, st.reason) for st in statuses]
         line = f"ascend_layerwise_patch [{vers}]: {counts(kinds)} of {len(statuses)} patches"
         for label in ("failed", PENDING):
-            groups = dict.fromkeys(st.group for st, k in zip(statuses, kinds) if k == label)
-            if groups:
-                line += f"; {label}: {', '.join(groups)}"
-        if len(line) > SUMMARY_MAX:
-            line = line[: SUMMARY_MAX - 27].rsplit(",", 1)[0] + ", ... (see check or DEBUG)"
+            groups = list(dict.fromkeys(st.group for st, k in zip(statuses, kinds) if k == label))
+            line += _named(label, groups, SUMMARY_MAX - len(line)) if groups else ""
         logger = self.host.logger()
         logger.info("%s", line)
         parts = [st.name if st.state == APPLIED else f"{st.name}={st.state}({st.reason})" for st in statuses]
