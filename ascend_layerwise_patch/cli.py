@@ -80,6 +80,7 @@ def _group_lines(rows: list[dict]) -> list[str]:
         if len(set(words)) == 1:
             state = words[0]
             reason = fixes.get(group, "") if state == _registry.APPLIED else lead["reason"]
+            reason = reason.removeprefix("version out of range: ")  # the state column says so
         else:
             applied = kinds.count(_registry.APPLIED)
             state = f"applied {applied}/{len(members)}" if applied else "skipped"
