@@ -18,6 +18,7 @@ import textwrap
 
 from . import registry as _registry
 from .registry import summary
+from .registry.spec import FIXED_UPSTREAM as FIXED
 from .versions import detect
 
 #: vllm-ascend imports its worker patches late, inside NPUWorker.__init__; check does the same
@@ -80,7 +81,7 @@ def _group_lines(rows: list[dict]) -> list[str]:
         if len(set(words)) == 1:
             state = words[0]
             reason = fixes.get(group, "") if state == _registry.APPLIED else lead["reason"]
-            reason = reason.removeprefix("version out of range: ")  # the state column says so
+            reason = reason.removeprefix("version out of range: ").removeprefix(FIXED + ": ")  # the state column says so
         else:
             applied = kinds.count(_registry.APPLIED)
             state = f"applied {applied}/{len(members)}" if applied else "skipped"
@@ -119,7 +120,7 @@ def _verbose_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def _verdict(rows: list[dict], kinds: list[str], errors: list[str], found: dict) -> str:
+def _verdict(rows: list[dict], kinds: list[str], errors: list[str], notes: list[str], found: dict) -> str:
     """One line: what the operator should do now."""
     bad = list(dict.fromkeys(r["group"] for r, k in zip(rows, kinds) if k in ("failed", _registry.PENDING)))
     if bad:
@@ -136,6 +137,8 @@ def _verdict(rows: list[dict], kinds: list[str], errors: list[str], found: dict)
         if all("version out of range" in r["reason"] for r in rows):
             return f"nothing is patched on this pair: the library does not cover {pair}; see the version table in the README"
         return f"nothing is patched on this pair ({pair}): each group is fixed upstream, out of range or switched off (above)"
+    if notes:
+        return f"the patches this pair needs are in force{off}, but vllm-ascend's own import failed (note above)"
     return f"ok: every patch that this pair needs is in force; serve as usual{off}"
 
 
@@ -147,7 +150,7 @@ def _report(rows: list[dict], notes: list[str], errors: list[str], found: dict, 
         print(_wrap(line, 2))
     n_groups = len({r["group"] for r in rows})
     print(_wrap(f"{len(rows)} patches in {n_groups} groups: {summary.counts(kinds)}", 2))
-    print(_wrap(_verdict(rows, kinds, errors, found), 2))
+    print(_wrap(_verdict(rows, kinds, errors, notes, found), 2))
 
 
 def _refuse(as_json: bool, found: dict, code: int, error: str) -> int:

@@ -16,7 +16,8 @@ from .spec import APPLIED, CONFLICT, FIXED_UPSTREAM, PENDING, REVERTED, SKIPPED,
 
 #: what the summaries count, always shown in this order (``pending`` and ``reverted`` only when non-zero)
 COUNTED = (APPLIED, "fixed upstream", SKIPPED, "failed")
-#: the INFO line's message stays within this (vLLM's prefix adds ~40 characters: under 200 in all)
+#: the INFO line's message stays within this (vLLM's prefix, ``INFO 12-05 20:16:17 [summary.py:93] ``,
+#: adds 36 characters: under 200 in all)
 SUMMARY_MAX = 160
 
 
@@ -39,7 +40,7 @@ def _named(label: str, groups: list[str], room: int) -> str:
         text = f"; {label}: {', '.join(groups[:n])}" + (f" and {len(groups) - n} more" if n < len(groups) else "")
         if len(text) <= room:
             return text
-    return f"; {label}: {len(groups)} groups"
+    return f"; {label}: {len(groups)} group" + "s" * (len(groups) > 1)
 
 
 class Summary:
@@ -85,7 +86,7 @@ class Summary:
             statuses = list(self._status.values())
             vers = ", ".join(f"{k} {v}" for k, v in self._versions.items())
         kinds = [kind(st.state, st.reason) for st in statuses]
-        line = f"ascend_layerwise_patch [{vers}]: {counts(kinds)} of {len(statuses)} patches"
+        line = f"ascend_layerwise_patch [{vers}]: {counts(kinds)}"
         for label in ("failed", PENDING):
             groups = list(dict.fromkeys(st.group for st, k in zip(statuses, kinds) if k == label))
             line += _named(label, groups, SUMMARY_MAX - len(line)) if groups else ""

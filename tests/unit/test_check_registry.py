@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 
 import pytest
 
@@ -110,12 +111,12 @@ def test_summary_once_settled_and_again_only_on_a_change(pkg, caplog):
     r.activate({})
     assert summaries() == []  # pending: nothing to say yet
     importlib.import_module(target)
-    assert len(summaries()) == 1 and summaries()[0].endswith("]: 1 applied, 0 fixed upstream, 0 skipped, 0 failed of 1 patches")
+    assert len(summaries()) == 1 and summaries()[0].endswith("]: 1 applied, 0 fixed upstream, 0 skipped, 0 failed")
     r.activate({})
     importlib.import_module(write("unrelated", "x = 1\n"))
     assert len(summaries()) == 1  # nothing changed
     importlib.import_module(copier)  # a late failure
-    assert len(summaries()) == 2 and summaries()[1].endswith("]: 0 applied, 0 fixed upstream, 0 skipped, 1 failed of 1 patches; failed: g")
+    assert len(summaries()) == 2 and summaries()[1].endswith("]: 0 applied, 0 fixed upstream, 0 skipped, 1 failed; failed: g")
     details = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.DEBUG and " every patch: " in rec.getMessage()]
     assert "p=failed(copy " in details[-1]  # every patch's state and reason at DEBUG
 
@@ -135,5 +136,5 @@ def test_the_summary_line_stays_short_however_many_groups_fail(pkg, caplog):
         assert len(lines) == 1 and len(lines[0]) <= 160, lines
         return lines[0]
 
-    assert summary(2).endswith("]: 0 applied, 0 fixed upstream, 0 skipped, 2 failed of 2 patches; failed: grp_0, grp_1")
-    assert summary(12).endswith("]: 0 applied, 0 fixed upstream, 0 skipped, 12 failed of 12 patches; failed: 12 groups")
+    assert summary(2).endswith("]: 0 applied, 0 fixed upstream, 0 skipped, 2 failed; failed: grp_0, grp_1")
+    assert re.search(r"\]: 0 applied, 0 fixed upstream, 0 skipped, 12 failed; failed: grp_0, grp_1, .* and \d+ more$", summary(12))
