@@ -27,6 +27,35 @@ def test_readme_kv_transfer_config_builds_vllms_config():
     config = KVTransferConfig(**doc)
     assert (config.kv_connector, config.kv_role) == ("AscendStoreConnector", "kv_both")
     assert config.kv_connector_extra_config == {"backend": "memcache", "use_layerwise": True}
+    assert config.kv_load_failure_policy == "recompute"  # issue 36: the README's own advice (vLLM's default: fail)
+
+
+def _literals(tp) -> set:
+    """Every string a (nested) ``Literal`` / union annotation allows."""
+    import typing
+
+    args = typing.get_args(tp)
+    return {tp} if isinstance(tp, str) else set().union(*map(_literals, args)) if args else set()
+
+
+def test_readme_speculative_config_names_vllms_mtp_method():
+    """Issue 36 / 33: the seed's MTP config, with a method this pair's vLLM knows (model-independent
+    fields only: the draft model is read from the checkpoint at start-up)."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    argv = shlex.split(serve_line())
+    doc = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert doc == {"method": "qwen3_5_mtp", "num_speculative_tokens": 3}
+    fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+    assert set(doc) <= set(fields)
+    method = fields["method"].type
+    if isinstance(method, str):  # postponed annotations
+        import typing
+
+        method = typing.get_type_hints(SpeculativeConfig)["method"]
+    assert doc["method"] in _literals(method)
 
 
 @pytest.mark.pairs("v0251", "v0250")
@@ -44,7 +73,9 @@ def test_readme_serve_line_parses_and_names_what_vllm_ascend_has():
     assert argv[:2] == ["vllm", "serve"]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
     assert isinstance(args.kv_transfer_config, KVTransferConfig)
+    assert args.kv_transfer_config.kv_load_failure_policy == "recompute"
     assert args.mamba_cache_mode == "align"
+    assert args.speculative_config == {"method": "qwen3_5_mtp", "num_speculative_tokens": 3}
 
     import vllm_ascend
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import ascend_store_connector
