@@ -97,3 +97,21 @@ def test_readme_serve_line_parses_and_names_what_vllm_ascend_has():
     plugins = re.search(r"export VLLM_PLUGINS=(\S+)", readme).group(1).split(",")
     known = {ep.name for group in ("vllm.general_plugins", "vllm.platform_plugins") for ep in entry_points(group=group)}
     assert "ascend_layerwise_patch" in plugins and "ascend" in plugins and set(plugins) <= known, (plugins, known)
+
+
+def test_readme_check_blocks_keep_checks_exit_code_on_this_pair(tmp_path):
+    """Issue 36: step 3's blocks, run as they stand with this pair's console script (no torch_npu
+    here, so `check` refuses with 3): each exits 3 too, and the JSON one-liner prints the refusal
+    instead of a KeyError. The runner is tests/unit/test_readme_blocks.py's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_blocks", ROOT / "tests" / "unit" / "test_readme_blocks.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    assert runner.check_exit_code() == 3
+    step3 = [b for b in runner.blocks(runner.README) if b.kind == "run" and "exit=check" in b.args]
+    assert len(step3) == 2
+    for block in step3:
+        assert runner.problems(block, tmp_path) == [], block.code
+    proc, _ = runner.execute(step3[1].code, (), tmp_path)
+    assert proc.returncode == 3 and "NPU runtime is missing" in proc.stdout, proc.stdout + proc.stderr
