@@ -28,10 +28,9 @@ WORKER_PATCHES = "vllm_ascend.patch.worker"
 #: vLLM's warnings that ``--cpu``'s stood-in ``triton.runtime`` causes (see cpu_standins)
 STANDIN_TRITON_MESSAGES = ("triton.backends` could not be imported", "Failed to import Triton kernels")
 
-
 WIDTH = 100  #: check's own lines fit this many columns (vLLM's log lines are vLLM's)
 BAD_STATES = (_registry.FAILED, _registry.CONFLICT, _registry.PENDING)
-#: a group's state column when all its patches agree: what a skipped patch's reason says
+#: the state column's word for a skipped patch, by what its reason says
 SKIP_WORDS = (("version out of range", "out of range"), ("does not import", "does not import"), ("disabled by", "switched off"),
               ("skipped by", "switched off"))
 

@@ -125,3 +125,21 @@ def test_help_lists_exit_codes_and_every_switch_the_code_reads():
     listed = {line.split("=")[0].strip() for line in lines if line.strip().startswith("ASCEND_LAYERWISE_PATCH")}
     assert listed == variables_the_code_reads()
     assert max(len(line) for line in lines) <= 100
+
+
+@pytest.mark.parametrize(
+    "state_of, verdict_starts, group_state",
+    [
+        (lambda spec: ("skipped", "disabled by ASCEND_LAYERWISE_PATCH=0"), "nothing is patched: disabled by ASCEND_LAYERWISE_PATCH=0", "switched off"),
+        (lambda spec: ("skipped", "already fixed upstream: x") if spec.group == "connector_guards" else ("skipped", OUT),
+         "nothing is patched on this pair (vLLM 0.24.0 + vllm-ascend 0.24.0rc1): each group is fixed upstream", "fixed upstream"),
+        (lambda spec: ("pending", "waiting for x to be imported") if spec.group == "connector_guards" else ("applied", ""),
+         "not ready: connector_guards failed or pending", "pending"),
+        (lambda spec: ("skipped", "skipped by ASCEND_LAYERWISE_PATCH_SKIP") if spec.group == "connector_guards" else ("applied", ""),
+         "ok: every patch that this pair needs is in force; serve as usual; switched off: connector_guards", "switched off"),
+    ],
+)
+def test_the_last_line_says_what_to_do(capsys, state_of, verdict_starts, group_state):
+    lines, _counts, verdict = _report(_rows(state_of), False, capsys)
+    assert verdict.startswith(verdict_starts), verdict
+    assert [line.split()[1:3] for line in lines if line.startswith("connector_guards ")][0][: len(group_state.split())] == group_state.split()
