@@ -79,13 +79,13 @@ def _group_lines(rows: list[dict]) -> list[str]:
         lead = next((m for m, k in zip(members, kinds) if k != _registry.APPLIED and not m["reason"].startswith("group ")), members[0])
         if len(set(words)) == 1:
             state = words[0]
-            reason = fixes.get(group, "") if state == _registry.APPLIED else lead["reason"]
+            reason = f"fixes: {fixes[group]}" if state == _registry.APPLIED and group in fixes else lead["reason"]
             reason = reason.removeprefix("version out of range: ").removeprefix(FIXED + ": ")  # the state column says so
         else:
             applied = kinds.count(_registry.APPLIED)
             state = f"applied {applied}/{len(members)}" if applied else "skipped"
             others = ", ".join(f"{m['name']} ({w})" for m, w in zip(members, words) if w != _registry.APPLIED)
-            reason = f"not applied: {others}" + (f"; {fixes[group]}" if applied and group in fixes else "")
+            reason = f"not applied: {others}" + (f"; fixes: {fixes[group]}" if applied and group in fixes else "")
         lines.append((group, state, reason))
     width = max(len(g) for g in groups) + 2
     states = max(len(state) for _, state, _ in lines) + 2
