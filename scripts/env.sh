@@ -110,12 +110,14 @@ build_pair() {
 build_ascendc() {
   local venv=$root/ascendc
   local want; want=$(sha1sum requirements/ascendc.lock | cut -c1-12)
-  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then return; fi
+  if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then say "ascendc: ready ($venv)"; return; fi
+  say "ascendc: creating $venv (triton-ascend + ascendnpu-ir from requirements/ascendc.lock, standalone)"
   rm -rf "$venv"; "$py" -m venv "$venv"
   pip_q "$venv" --no-deps -r requirements/ascendc.lock
   "$venv/bin/python" -c "import triton.backends.ascend, ascendnpuir, pytest" \
     || { echo "ascendc venv is broken (triton-ascend has wheels for Python 3.9-3.11 only)" >&2; exit 1; }
   echo "$want" > "$venv/.done"
+  say "ascendc: ready"
 }
 
 [ $# -eq 0 ] && set -- base

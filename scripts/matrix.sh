@@ -7,6 +7,8 @@
 # Suites: tests/unit once (base venv); per pair tests/standins and tests/interp, each in its own
 # pytest process (the NPU stand-ins break real Triton, so the two never share a process);
 # tests/ascend_compile once, in its own venv (triton-ascend: the kernel compiled for Atlas A2/A3).
+# Each suite must also run at least its floor of tests (scripts/suite_floor.py, from
+# scripts/expected_states.txt): one that skips or deselects everything where tests are due fails.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -19,21 +21,14 @@ bash scripts/env.sh "${pairs[@]}" ascendc || { echo "matrix: environment build f
 echo "matrix: environments ready in $(( $(date +%s) - start )) s"
 
 failed=()
-run() {  # run NAME PYTHON ARGS...: a pytest run that must pass and must run at least one test
-  local name=$1 python=$2; shift 2
-  local t0; t0=$(date +%s)
-  echo "=== $name"
-  "$python" -m pytest -p no:cacheprovider -q "$@"
-  local rc=$?
-  echo "=== $name: exit $rc in $(( $(date +%s) - t0 )) s"
-  [ $rc -eq 0 ] || failed+=("$name (exit $rc)")
-}
+logs=$(mktemp -d); trap 'rm -rf "$logs"' EXIT
+. scripts/suite_run.sh  # run NAME SUITE PAIR PYTHON ARGS...
 
-run "unit" "$root/base/bin/python" tests/unit
-run "ascend compile" "$root/ascendc/bin/python" tests/ascend_compile
+run "unit" unit - "$root/base/bin/python" tests/unit
+run "ascend compile" ascend_compile - "$root/ascendc/bin/python" tests/ascend_compile
 for pair in "${pairs[@]}"; do
-  run "$pair standins" "$root/$pair/bin/python" tests/standins
-  run "$pair interp" "$root/$pair/bin/python" tests/interp
+  run "$pair standins" standins "$pair" "$root/$pair/bin/python" tests/standins
+  run "$pair interp" interp "$pair" "$root/$pair/bin/python" tests/interp
 done
 
 # The benchmarks must keep running: tiny versions on the primary pair (numbers are not judged here).
@@ -57,6 +52,9 @@ fi
 echo "matrix: ${#pairs[@]} pairs in $(( $(date +%s) - start )) s"
 # the figures the README quotes, measured on every run
 bench=$(du -sh .bench 2>/dev/null | cut -f1)
+for env in "$root"/*/; do  # one line per environment (scripts/figures.py reads them)
+  echo "matrix: disk: $(basename "$env") $(du -sh "$env" 2>/dev/null | cut -f1)"
+done
 echo "matrix: on disk: $(du -sh "$root" 2>/dev/null | cut -f1) in $root (all venvs), ${bench:-0} in .bench; $(nproc) cores, $(date -u +%F)"
 if [ ${#failed[@]} -ne 0 ]; then
   printf 'matrix: FAILED: %s\n' "${failed[@]}"

@@ -13,7 +13,7 @@ import types
 from typing import Any
 
 from . import install
-from .spec import APPLIED, FAILED, MARKER, PENDING, SKIPPED, PatchSpec, PatchStatus, split_path
+from .spec import APPLIED, FAILED, FIXED_UPSTREAM, MARKER, PENDING, SKIPPED, PatchSpec, PatchStatus, split_path
 
 
 class GroupApplier:
@@ -113,10 +113,10 @@ class GroupApplier:
         for spec, _parent, _attribute, _current in plan:
             self._set(spec, APPLIED, "applied late (after the target was imported)" if self._late else "")
         for spec, why in fixed:
-            self._set(spec, SKIPPED, f"already fixed upstream: {why}")
+            self._set(spec, SKIPPED, f"{FIXED_UPSTREAM}: {why}")
         applied = [spec.name for spec, *_ in plan]
         if applied:
-            self.host.logger().info("ascend_layerwise_patch: applied %s", ", ".join(applied))
+            self.host.logger().debug("ascend_layerwise_patch: applied %s", ", ".join(applied))
         return []
 
     def _fail(self, group: str, specs: list[PatchSpec], culprit: PatchSpec, reason: str) -> list[PatchStatus]:

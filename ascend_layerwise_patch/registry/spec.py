@@ -14,6 +14,8 @@ SKIPPED = "skipped"
 FAILED = "failed"
 CONFLICT = "conflict"
 REVERTED = "reverted"
+#: how a skipped patch's reason starts when its detector found the fix in the installed code
+FIXED_UPSTREAM = "already fixed upstream"
 
 Check = Callable[[Any], "str | None"]
 

@@ -68,23 +68,28 @@ def test_a_serving_process_logs_an_unknown_skip_entry_as_an_error():
 def test_check_sh_says_what_it_does_shows_every_copy_explains_triton_and_settles():
     """The README's first command, end to end (its environments already built by the matrix)."""
     env = {"ALP_MATRIX_DIR": str(Path(sys.prefix).parent)}
-    proc = subprocess.run(["bash", "scripts/check.sh"], cwd=ROOT, env=_child_env(env), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "scripts/check.sh", "--verbose"], cwd=ROOT, env=_child_env(env), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     # Point 9: one line per step, before the long silent parts.
     steps = [line for line in lines if line.startswith(("check.sh: ", "env: "))]
     assert [s.split(":")[0] for s in steps] == ["check.sh", "env", "env", "check.sh"], steps
-    # Point 2: every copy of the save helper has its own row and state.
+    # Point 2: every copy of the save helper has its own row and state (--verbose).
     rows = {tuple(line.split()[:3]) for line in lines if line.startswith("  copy ")}
     for module in SAVE_COPIES:
-        assert ("copy", f"{module}:maybe_save_kv_layer_to_connector", "applied") in rows, module
+        assert ("copy", "applied", f"{module}:maybe_save_kv_layer_to_connector") in rows, module
+    # Issue 36: check's own lines fit 100 columns (vLLM's log lines are vLLM's), the INFO summary 200.
+    own = lines[lines.index(next(line for line in lines if line.startswith("ascend-layerwise-patch check: "))) :]
+    assert max(len(line) for line in own) <= 100, max(own, key=len)
+    assert own[-1] == "ok: every patch that this pair needs is in force; serve as usual", own[-3:]
     # Point 9: the stand-in's Triton lines are followed by one line saying they are expected.
     note = [i for i, line in enumerate(lines) if "expected under --cpu" in line]
     triton = [i for i, line in enumerate(lines) if line.startswith(("WARNING", "ERROR")) and "riton" in line]
     assert triton and len(note) == 1 and note[0] > max(triton), proc.stdout[-4000:]
     # Point 6: one summary line, logged once nothing is pending.
     summaries = [line for line in lines if SUMMARY in line]
-    assert len(summaries) == 1 and "=pending(" not in summaries[0], summaries
+    assert len(summaries) == 1 and "pending" not in summaries[0] and summaries[0].endswith(", 0 failed"), summaries
+    assert len(summaries[0]) < 200, summaries
 
 
 @pytest.mark.pairs(*ALL_PAIRS)
@@ -106,8 +111,9 @@ def test_check_json_records_every_place_with_its_state():
         assert {states[n] for n in ("pool_layout_scheduler", "pool_layout_worker", "pool_gva_cache")} == {"applied"}
         # issue 22: check says that PP > 1 is refused with the layerwise pool (JSON and table)
         assert "PP > 1 refused at start-up" in patches["pool_layout_worker"]["why"]
-        table = run_cli("check", "--cpu").stdout
-        assert [line for line in table.splitlines() if line.startswith("pool_layout_worker") and "PP > 1 refused" in line]
+        table = run_cli("check", "--cpu", "--verbose").stdout.split("\npool_layout_worker (pool_key_layout): applied\n", 1)[1]
+        block = " ".join(line.strip() for line in table.split("\npool_gva_cache (", 1)[0].splitlines())
+        assert "PP > 1 refused at start-up" in block, block
         places = {q["place"]: q["state"] for q in patches["guard_save"]["places"]}
         assert {f"{m}:maybe_save_kv_layer_to_connector" for m in SAVE_COPIES} <= set(places)
         assert {places[f"{m}:maybe_save_kv_layer_to_connector"] for m in SAVE_COPIES} == {"applied"}
@@ -234,5 +240,7 @@ print("END", flush=True)
     summaries = [i for i, line in enumerate(lines) if SUMMARY in line]
     assert len(summaries) == 1, proc.stdout[-3000:]
     assert lines.index("IMPORTED") < summaries[0] < lines.index("END"), proc.stdout[-3000:]
-    assert "gdn_layerwise_310p=pending(" in lines[summaries[0]]
-    assert ": guard_wait; guard_save; gdn_layerwise; gdn_layerwise_310p=pending(" in lines[summaries[0]]
+    applied = sum(codes[PAIR] == "applied" for codes in expected_states().load()[1].values()) - 1  # all but the 310P one
+    assert f"]: {applied} applied, 0 fixed upstream, " in lines[summaries[0]], lines[summaries[0]]
+    assert lines[summaries[0]].endswith(" 0 failed, 1 pending; pending: gdn_layerwise_310p")
+    assert len(lines[summaries[0]]) < 200, lines[summaries[0]]  # vLLM's prefix included, lines[summaries[0]]

@@ -27,6 +27,35 @@ def test_readme_kv_transfer_config_builds_vllms_config():
     config = KVTransferConfig(**doc)
     assert (config.kv_connector, config.kv_role) == ("AscendStoreConnector", "kv_both")
     assert config.kv_connector_extra_config == {"backend": "memcache", "use_layerwise": True}
+    assert config.kv_load_failure_policy == "recompute"  # issue 36: the README's own advice (vLLM's default: fail)
+
+
+def _literals(tp) -> set:
+    """Every string a (nested) ``Literal`` / union annotation allows."""
+    import typing
+
+    args = typing.get_args(tp)
+    return {tp} if isinstance(tp, str) else set().union(*map(_literals, args)) if args else set()
+
+
+def test_readme_speculative_config_names_vllms_mtp_method():
+    """Issue 36 / 33: the seed's MTP config, with a method this pair's vLLM knows (model-independent
+    fields only: the draft model is read from the checkpoint at start-up)."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    argv = shlex.split(serve_line())
+    doc = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert doc == {"method": "qwen3_5_mtp", "num_speculative_tokens": 3}
+    fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+    assert set(doc) <= set(fields)
+    method = fields["method"].type
+    if isinstance(method, str):  # postponed annotations
+        import typing
+
+        method = typing.get_type_hints(SpeculativeConfig)["method"]
+    assert doc["method"] in _literals(method)
 
 
 @pytest.mark.pairs("v0251", "v0250")
@@ -44,7 +73,9 @@ def test_readme_serve_line_parses_and_names_what_vllm_ascend_has():
     assert argv[:2] == ["vllm", "serve"]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
     assert isinstance(args.kv_transfer_config, KVTransferConfig)
+    assert args.kv_transfer_config.kv_load_failure_policy == "recompute"
     assert args.mamba_cache_mode == "align"
+    assert args.speculative_config == {"method": "qwen3_5_mtp", "num_speculative_tokens": 3}
 
     import vllm_ascend
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import ascend_store_connector
@@ -66,3 +97,21 @@ def test_readme_serve_line_parses_and_names_what_vllm_ascend_has():
     plugins = re.search(r"export VLLM_PLUGINS=(\S+)", readme).group(1).split(",")
     known = {ep.name for group in ("vllm.general_plugins", "vllm.platform_plugins") for ep in entry_points(group=group)}
     assert "ascend_layerwise_patch" in plugins and "ascend" in plugins and set(plugins) <= known, (plugins, known)
+
+
+def test_readme_check_blocks_keep_checks_exit_code_on_this_pair(tmp_path):
+    """Issue 36: step 3's blocks, run as they stand with this pair's console script (no torch_npu
+    here, so `check` refuses with 3): each exits 3 too, and the JSON one-liner prints the refusal
+    instead of a KeyError. The runner is tests/unit/test_readme_blocks.py's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_blocks", ROOT / "tests" / "unit" / "test_readme_blocks.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    assert runner.check_exit_code() == 3
+    step3 = [b for b in runner.blocks(runner.README) if b.kind == "run" and "exit=check" in b.args]
+    assert len(step3) == 2
+    for block in step3:
+        assert runner.problems(block, tmp_path) == [], block.code
+    proc, _ = runner.execute(step3[1].code, (), tmp_path)
+    assert proc.returncode == 3 and "NPU runtime is missing" in proc.stdout, proc.stdout + proc.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 
 import pytest
 
@@ -101,18 +102,39 @@ def test_summary_once_settled_and_again_only_on_a_change(pkg, caplog):
     _, write = pkg
     target = write("t", TARGET)
     copier = write("c", "def helper(x):\n    return -x\n")
-    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
     r = Registry([spec(target, aliases=(f"{copier}:helper",))])
 
     def summaries():
-        return [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("ascend_layerwise_patch [")]
+        return [rec.getMessage() for rec in caplog.records if rec.levelno == logging.INFO and rec.getMessage().startswith("ascend_layerwise_patch [")]
 
     r.activate({})
     assert summaries() == []  # pending: nothing to say yet
     importlib.import_module(target)
-    assert len(summaries()) == 1 and summaries()[0].endswith("]: p")
+    assert len(summaries()) == 1 and summaries()[0].endswith("]: 1 applied, 0 fixed upstream, 0 skipped, 0 failed")
     r.activate({})
     importlib.import_module(write("unrelated", "x = 1\n"))
     assert len(summaries()) == 1  # nothing changed
     importlib.import_module(copier)  # a late failure
-    assert len(summaries()) == 2 and "p=failed(copy " in summaries()[1]
+    assert len(summaries()) == 2 and summaries()[1].endswith("]: 0 applied, 0 fixed upstream, 0 skipped, 1 failed; failed: g")
+    details = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.DEBUG and " every patch: " in rec.getMessage()]
+    assert "p=failed(copy " in details[-1]  # every patch's state and reason at DEBUG
+
+
+def test_the_summary_line_stays_short_however_many_groups_fail(pkg, caplog):
+    """Issue 36: the INFO line stays under 200 characters with vLLM's prefix (message <= 160); the
+    failed groups it cannot name are left to ``check`` and DEBUG."""
+    _, write = pkg
+    target = write("t", TARGET)
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    importlib.import_module(target)
+
+    def summary(n):
+        caplog.clear()
+        Registry([spec(target, name=f"patch_number_{i}", group=f"grp_{i}", qual=f"gone_{i}") for i in range(n)]).activate({})
+        lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("ascend_layerwise_patch [")]
+        assert len(lines) == 1 and len(lines[0]) <= 160, lines
+        return lines[0]
+
+    assert summary(2).endswith("]: 0 applied, 0 fixed upstream, 0 skipped, 2 failed; failed: grp_0, grp_1")
+    assert re.search(r"\]: 0 applied, 0 fixed upstream, 0 skipped, 12 failed; failed: grp_0, grp_1(, grp_\d+)* and \d+ more$", summary(12))

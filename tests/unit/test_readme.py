@@ -46,7 +46,7 @@ def test_readme_install_commands_work_offline(tmp_path):
     """Point 12: the README's wheel build, then `pip install --no-index` into a bare venv, whose
     console script then runs (and, with no vLLM there, exits 2 with a JSON document)."""
     assert not re.search(r"^\s*pip install ascend-layerwise-patch\s*(#|$)", README, re.M), "that package is on no index"
-    assert "    pip wheel --no-deps -w dist .  " in README and "    pip wheel --no-deps -w wheels .\n" in README
+    assert "\npip wheel --no-deps -w dist .  " in README and "\n   pip wheel --no-deps -w wheels .\n" in README
     assert "pip install --no-index --find-links wheels/ ascend-layerwise-patch" in README
     dist = tmp_path / "dist"
     subprocess.run(

@@ -1,0 +1,17 @@
+# Sourced by scripts/matrix.sh (and tests/unit/test_suite_floor.py); needs $logs (a folder) and
+# the array failed=(). One suite: a pytest run that must pass and run at least its floor of tests.
+# shellcheck shell=bash
+run() {  # run NAME SUITE PAIR PYTHON ARGS...: a pytest run that must pass and run at least its floor of tests
+  local name=$1 suite=$2 pair=$3 python=$4; shift 4
+  local t0 log=$logs/run.log; t0=$(date +%s)
+  echo "=== $name"
+  "$python" -m pytest -p no:cacheprovider -q "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc in $(( $(date +%s) - t0 )) s"
+  [ $rc -eq 0 ] || failed+=("$name (exit $rc)")
+  # scripts/suite_floor.py: the least tests this suite must run on this pair (from scripts/expected_states.txt)
+  local floor; floor=$("${PYTHON:-python3}" scripts/suite_floor.py "$suite" "$pair" "$log")
+  local frc=$?
+  echo "=== $name: $floor"
+  [ $frc -eq 0 ] || failed+=("$name (ran fewer tests than its floor)")
+}
