@@ -2,12 +2,14 @@
 docstring is the group's text (targets, versions, why, how, removal). ``check`` shows each patch's
 ``why`` and its state; scripts/expected_states.txt the expected state of every patch on every pair.
 
-A package declares :class:`~ascend_layerwise_patch.registry.PatchSpec` s as data (through
-``_checks.PatchSpec``) and imports nothing heavy at import time (factories import their targets'
-neighbours lazily). No package imports another package or the registry: what a factory needs of
-another group it reads from its ``Context`` (``PatchSpec.context``); patches stacked on one target
-name the earlier ones (``PatchSpec.after``). Target paths shared by several packages are in
-``_targets``; target checks in ``_checks``. A group applies whole or not at all; ``SPECS`` below is
+A package declares each of its groups once (``_checks.Group``: its name, the releases it is
+declared for -- one of the ranges named in ``_ranges`` --, its risk) and its
+:class:`~ascend_layerwise_patch.registry.PatchSpec` s as data through it (``GROUP.spec(...)``); it
+imports nothing heavy at import time (factories import their targets' neighbours lazily). No
+package imports another package or the registry: what a factory needs of another group it reads
+from its ``Context`` (``PatchSpec.context``); patches stacked on one target name the earlier ones
+(``PatchSpec.after``). Target paths shared by several packages are in ``_targets``; target checks
+in ``_checks``; release ranges in ``_ranges``. A group applies whole or not at all; ``SPECS`` below is
 the order in which groups (and patches stacked on one target) are applied. tests/unit/test_index.py
 holds this list to ``SPECS`` and the packages to their imports.
 

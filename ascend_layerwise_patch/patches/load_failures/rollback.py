@@ -19,7 +19,7 @@ from .._checks import (
 from .._checks import expects as _expects
 from .._checks import source as _source
 from .._targets import STORE
-from ._common import _FRAMES, _NO_RELOAD, ROLLBACK_GROUP, _as_scheduled, _spec
+from ._common import _FRAMES, _NO_RELOAD, ROLLBACK_GROUP, _as_scheduled
 
 
 def make_handle_invalid(original):
@@ -197,35 +197,32 @@ def _handle_invalid_ok(original) -> str | None:
 
 
 SPECS = (
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_rollback",
         "vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks",
         make_handle_invalid,
-        _handle_invalid_ok,
-        fixed=upstream_preempts,
-        group=ROLLBACK_GROUP,
+        precondition=_handle_invalid_ok,
+        fixed_upstream=upstream_preempts,
         aliases=("vllm.v1.core.sched.scheduler:Scheduler.__base__._handle_invalid_blocks",),
         why="a hybrid request rolled back after a failed KV load is preempted (its blocks from the rollback "
         "point evicted from the prefix cache) instead of rewound in place",
         risk="a rolled-back hybrid request runs its GDN state in the null block; invalid blocks stay cached",
     ),
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_rollback_frames",
         "vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
         make_async_after_schedule,
-        _expects(["self", "scheduler_output"], needs=("num_output_placeholders",)),
-        fixed=upstream_preempts_any,
-        group=ROLLBACK_GROUP,
+        precondition=_expects(["self", "scheduler_output"], needs=("num_output_placeholders",)),
+        fixed_upstream=upstream_preempts_any,
         why="the rollback knows how many output frames of a failed request are still in flight",
         risk="under async scheduling a token computed on a failed load is delivered, or a good one dropped",
     ),
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_resume_meta",
         f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
         make_build_meta,
-        build_meta_expects("_delayed_free_req_ids"),
-        fixed=upstream_keeps_resumed,
-        group=ROLLBACK_GROUP,
+        precondition=build_meta_expects("_delayed_free_req_ids"),
+        fixed_upstream=upstream_keeps_resumed,
         why="a request preempted outside schedule() and resumed by the next one keeps its pool-scheduler state",
         risk="the pool scheduler raises on a request preempted after a failed load and resumed",
         after=("send_shedding",),  # mamba_lifetime's wrapper of this target is applied first
@@ -234,13 +231,12 @@ SPECS = (
     # modules, and production imports vLLM's async_scheduler before vllm-ascend's pool_scheduler (the
     # connector is built inside the scheduler); the other order changes what the harness's async run
     # computes (found here; see the closing note of issue 21's follow-up)
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_no_reload",
         f"{STORE}.pool_scheduler:KVPoolScheduler.get_num_new_matched_tokens",
         make_no_reload,
-        _expects(["self", "request", "num_computed_tokens"], needs=("_get_layerwise_gva_hit_tokens",)),
-        fixed=upstream_preempts_any,
-        group=ROLLBACK_GROUP,
+        precondition=_expects(["self", "request", "num_computed_tokens"], needs=("_get_layerwise_gva_hit_tokens",)),
+        fixed_upstream=upstream_preempts_any,
         why="a request preempted after a failed pool load resumes from local hits and recomputes (never reloads)",
         risk="a store that keeps failing preempts the same request at every resume, for ever",
     ),

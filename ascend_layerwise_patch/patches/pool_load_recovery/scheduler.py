@@ -22,7 +22,7 @@ from .._checks import expects as _expects
 from .._checks import param_names as _params
 from .._checks import source as _source
 from .._targets import STORE
-from ._common import NO_RELOAD, spec
+from ._common import GROUP, NO_RELOAD
 
 _COUNTS = Counts("requests_rolled_back", "blocks_evicted", "reloads_refused")
 _count = _COUNTS.add
@@ -144,12 +144,12 @@ def _handle_invalid_ok(original) -> str | None:
 
 
 SPECS = (
-    spec(
+    GROUP.spec(
         "pool_load_rollback",
         f"{SCHEDULER}._handle_invalid_blocks",
         make_handle_invalid,
-        _handle_invalid_ok,
-        upstream_preempts,
+        precondition=_handle_invalid_ok,
+        fixed_upstream=upstream_preempts,
         counters=counters,
         after=("load_fail_rollback",),  # load_failures (vLLM 0.25): never both in range
         why="under recompute a hybrid request rolled back after a failed KV load is preempted (its blocks evicted "
@@ -157,22 +157,22 @@ SPECS = (
         risk="a hybrid request recomputed in place writes and reads GDN state in the shared null block; "
         "never-loaded blocks stay in the prefix cache",
     ),
-    spec(
+    GROUP.spec(
         "pool_load_resume_meta",
         f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
         make_build_meta,
-        build_meta_expects("AscendConnectorMetadata("),
-        upstream_keeps_resumed,
+        precondition=build_meta_expects("AscendConnectorMetadata("),
+        fixed_upstream=upstream_keeps_resumed,
         why="a request preempted after a failed load and resumed by the next schedule keeps its pool-scheduler state",
         risk="the pool scheduler raises on a request preempted after a failed load and resumed (the engine ends)",
         after=("send_shedding", "load_fail_resume_meta"),  # 0.25's wrappers of this target: never both in range
     ),
-    spec(
+    GROUP.spec(
         "pool_load_no_reload",
         f"{STORE}.pool_scheduler:KVPoolScheduler.get_num_new_matched_tokens",
         make_no_reload,
-        _expects(["self", "request", "num_computed_tokens"]),
-        upstream_preempts_any,
+        precondition=_expects(["self", "request", "num_computed_tokens"]),
+        fixed_upstream=upstream_preempts_any,
         why="a request preempted after a failed pool load recomputes its prompt (never reloads from the pool)",
         risk="a store that keeps failing preempts the same request at every resume",
         after=("load_fail_no_reload", "pool_hit_boundary"),
