@@ -9,7 +9,8 @@ imports nothing heavy at import time (factories import their targets' neighbours
 package imports another package or the registry: what a factory needs of another group it reads
 from its ``Context`` (``PatchSpec.context``); patches stacked on one target name the earlier ones
 (``PatchSpec.after``). Target paths shared by several packages are in ``_targets``; target checks
-in ``_checks``; release ranges in ``_ranges``. A group applies whole or not at all; ``SPECS`` below is
+in ``_checks``; release ranges in ``_ranges``; the scheduler half of a failed load that vLLM 0.25's
+and 0.30's groups share in ``_failed_load``. A group applies whole or not at all; ``SPECS`` below is
 the order in which groups (and patches stacked on one target) are applied. tests/unit/test_index.py
 holds this list to ``SPECS`` and the packages to their imports.
 
