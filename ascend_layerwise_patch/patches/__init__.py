@@ -2,21 +2,33 @@
 docstring is the group's text (targets, versions, why, how, removal). ``check`` shows each patch's
 ``why`` and its state; scripts/expected_states.txt the expected state of every patch on every pair.
 
-A package declares :class:`~ascend_layerwise_patch.registry.PatchSpec` s as data (through
-``_checks.PatchSpec``) and imports nothing heavy at import time (factories import their targets'
-neighbours lazily). No package imports another package or the registry: what a factory needs of
-another group it reads from its ``Context`` (``PatchSpec.context``); patches stacked on one target
-name the earlier ones (``PatchSpec.after``). Target paths shared by several packages are in
-``_targets``; target checks in ``_checks``. A group applies whole or not at all; ``SPECS`` below is
+A package declares each of its groups once (``_checks.Group``: its name, the releases it is
+declared for -- one of the ranges named in ``_ranges`` --, its risk) and its
+:class:`~ascend_layerwise_patch.registry.PatchSpec` s as data through it (``GROUP.spec(...)``); it
+imports nothing heavy at import time (factories import their targets' neighbours lazily). No
+package imports another package or the registry: what a factory needs of another group it reads
+from its ``Context`` (``PatchSpec.context``); patches stacked on one target name the earlier ones
+(``PatchSpec.after``). Target paths shared by several packages are in ``_targets``; target checks
+in ``_checks``; release ranges in ``_ranges``; the scheduler half of a failed load that vLLM 0.25's
+and 0.30's groups share in ``_failed_load``. A group applies whole or not at all; ``SPECS`` below is
 the order in which groups (and patches stacked on one target) are applied. tests/unit/test_index.py
 holds this list to ``SPECS`` and the packages to their imports.
 
-A new release pair: a line in scripts/pairs.txt (scripts/env.sh installs it); ``check --cpu --json``
-on it, read each patch's reason (a detector that answers wrongly there is fixed first), then a column
-in scripts/expected_states.txt and ``python scripts/expected_states.py --readme``; a row in the README's
-version table; ``@pytest.mark.pairs`` on the pool tests whose defect the pair still has. A new patch: a
-spec in its group's package, a row in scripts/expected_states.txt, a line here if it is a new group
-(a new package if it is a new family).
+A new release pair touches these files (tests/unit/test_new_pair.py adds a fictitious one to a copy
+of the repository, as below, and holds the files that changed to this list):
+
+    scripts/pairs.txt                            its line (scripts/env.sh installs it)
+    ascend_layerwise_patch/patches/_ranges.py    the named ranges that admit it (every group declared for one follows)
+    scripts/expected_states.txt                  its column: ``check --cpu --json`` on it, each patch's reason read
+    README.md                                    its row in the version table; ``python scripts/expected_states.py --readme``
+    setup.cfg                                    the ``vllm`` extra, where ``_ranges.SUPPORTED``'s vLLM range moved
+
+and, only where the pair behaves differently from the one before it, the packages of the groups whose
+behaviour differs there (a detector that answers wrongly is fixed first; a target that moved; a
+member declared for fewer releases, with a range of its own in ``_ranges``), and
+``@pytest.mark.pairs`` on the tests whose defect the pair still has. A new patch: a spec in its
+group's package, a row in scripts/expected_states.txt, a line here if it is a new group (a new
+package if it is a new family).
 
 group                   package              what it fixes
 connector_guards        connector_guards     connector helpers called in profile / dummy runs advance the pool's layer counter

@@ -1,4 +1,4 @@
-"""Helpers shared by the patch modules: declaring a spec against vLLM / vllm-ascend, target checks."""
+"""Helpers shared by the patch modules: a group's declaration (:class:`Group`), target checks."""
 
 from __future__ import annotations
 
@@ -11,16 +11,35 @@ from collections.abc import Iterable
 
 from ..registry import Expect
 from ..registry import PatchSpec as _Spec
+from ._ranges import Ranges
 
 
-def PatchSpec(*, vllm: str | None, vllm_ascend: str | None = None, **fields) -> _Spec:  # noqa: N802 - reads as the type
-    """A :class:`~ascend_layerwise_patch.registry.PatchSpec` whose requirements are vLLM's and
-    vllm-ascend's ranges (the host's keys ``vllm`` / ``vllm_ascend``). A ``precondition`` that is an
-    :class:`~ascend_layerwise_patch.registry.Expect` (what :func:`expects` returns) is declared as
-    the spec's ``expects``: data, checked by the registry."""
-    if isinstance(fields.get("precondition"), Expect):
-        fields["expects"] = fields.pop("precondition")
-    return _Spec(requires={"vllm": vllm, "vllm_ascend": vllm_ascend}, **fields)
+class Group(str):
+    """One group, declared once: its name (a group *is* its name: ``ASCEND_LAYERWISE_PATCH_SKIP``,
+    ``PatchStatus.group`` and ``Context.in_force`` take it as is), the releases it is declared for
+    (one of ``_ranges``), what stays unfixed when it cannot apply (``risk``), and whatever else all
+    its patches share (``why``, ``fixed_upstream``, ...: :class:`~ascend_layerwise_patch.registry.PatchSpec`
+    fields). :meth:`spec` declares one of its patches."""
+
+    ranges: Ranges
+    shared: dict
+
+    def __new__(cls, name: str, ranges: Ranges, *, risk: str = "", **shared):
+        group = super().__new__(cls, name)
+        group.ranges, group.shared = ranges, {"risk": risk, **shared}
+        return group
+
+    def spec(self, name: str, target: str, factory, *, ranges: Ranges | None = None, **fields) -> _Spec:
+        """A :class:`~ascend_layerwise_patch.registry.PatchSpec` of this group: the group's fields,
+        then the patch's own (``ranges``: a member declared for fewer releases than its group). A
+        ``precondition`` that is an :class:`~ascend_layerwise_patch.registry.Expect` (what
+        :func:`expects` returns) is declared as the spec's ``expects``: data, checked by the registry."""
+        fields = {**self.shared, **fields}
+        if isinstance(fields.get("precondition"), Expect):
+            fields["expects"] = fields.pop("precondition")
+        vllm, vllm_ascend = ranges or self.ranges
+        requires = {"vllm": vllm, "vllm_ascend": vllm_ascend}
+        return _Spec(name=name, group=str(self), target=target, factory=factory, requires=requires, **fields)
 
 
 @functools.lru_cache(maxsize=64)  # the detectors of one group read the same class sources

@@ -2,11 +2,18 @@
 
 The children load the NPU stand-ins by file path, so that importing them does not import (and
 so activate) ascend_layerwise_patch before the test wants it.
+
+Each scenario is one test, run on every release line it applies to (``RELEASES``: the pairs, and
+the patches that show it there). On the base releases (vLLM 0.25 / 0.26) the probes are the
+connector guards; on vllm-ascend 0.30.0rc2 (issue 25) those are fixed upstream, and what applies is
+gdn_layerwise_310p (the 310P GDN layer never waits for its load) and mamba_local_hit (balance
+scheduling takes the largest per-group hit): the probes there.
 """
 
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import pytest
 
@@ -26,6 +33,86 @@ def report(**kw):
 IN_RANGE = ("v0251", "v0250", "v0260")
 #: in range, and vllm-ascend's ops.gdn imports (on vLLM 0.25.0 it does not): every group applies
 FULL = ("v0251", "v0260")
+
+
+class Release(NamedTuple):
+    """A release line and its probes. ``probes`` defines ``probes()``: each probed target's patch
+    (None: not ours), importing what it reads lazily unless the code imports it first; ``applied``
+    is what it returns with the line's patches applied; ``fixed``, patches skipped there as fixed
+    upstream (by their detectors)."""
+
+    name: str
+    pairs: tuple[str, ...]
+    #: the pairs where vllm-ascend's GDN layer and worker patches import
+    full: tuple[str, ...]
+    probes: str
+    applied: dict
+    fixed: frozenset = frozenset()
+    #: run after activation, before the probes are read (0.30: the 310P layer's module is imported
+    #: by the probes before the library in one order; its patch is applied here in both)
+    settle: str = ""
+    #: what the wrap-once and revert scenario imports first, the probed target it follows, and a
+    #: copy of that target another module made (its original comes back with it)
+    imports: str = ""
+    target: str = ""
+    copy: str = ""
+    #: what the spawned child (spawn_child.py) reads
+    child_probe: str = ""
+
+
+BASE = Release(
+    "0.25-0.26",
+    IN_RANGE,
+    FULL,
+    probes="""
+def probes():
+    import vllm_ascend.attention.utils as u
+    return dict(wait=ours(u.wait_for_kv_layer_from_connector), save=ours(u.maybe_save_kv_layer_to_connector))
+""",
+    applied={"wait": "guard_wait", "save": "guard_save"},
+    imports="import vllm_ascend.ops  # as the NPU platform does first: vllm-ascend has an import cycle otherwise\n"
+    "import vllm_ascend.attention.utils as u, vllm_ascend.attention.mla_v1 as mla\n",
+    target="u.wait_for_kv_layer_from_connector",
+    copy="mla.wait_for_kv_layer_from_connector",
+    child_probe="wait",
+)
+GDN310 = "vllm_ascend._310p.ops.fla.gdn_310"
+COORD = "vllm_ascend.patch.platform.patch_kv_cache_coordinator"
+#: vllm-ascend 0.30.0rc2 (issue 25): the connector guards are fixed upstream (vllm-ascend's own
+#: helper stays); the 310P GDN layer's wait and the joint local hit apply
+V030 = Release(
+    "0.30",
+    ("v0300", "v0290"),
+    ("v0300",),  # vllm-ascend 0.30.0rc2's worker patches do not import on vLLM 0.29.0
+    probes=f"""
+import {GDN310} as g310, {COORD} as coord
+def probes():
+    import vllm_ascend.attention.utils as u
+    return dict(g310=ours(vars(g310.AscendGatedDeltaNetAttention310)["_forward_core"]),
+                coord=ours(vars(coord.AscendHybridKVCacheCoordinator)["find_longest_cache_hit_per_group"]),
+                wait=ours(u.wait_for_kv_layer_from_connector))
+""",
+    applied={"g310": "gdn_layerwise_310p", "coord": "mamba_local_hit", "wait": None},
+    fixed=frozenset({"guard_wait", "guard_save", "gdn_layerwise", "mamba_precopy_rows", "postprocess_kernel"}),
+    settle="alp.REGISTRY.apply_pending()\n",
+    target='vars(g310.AscendGatedDeltaNetAttention310)["_forward_core"]',
+    child_probe="g310",
+)
+
+
+def on(release: Release, *values, pairs=None, name: str = ""):
+    """One parameter set of a scenario: ``release`` (and ``values``) on ``pairs`` (default: the release's)."""
+    marks = pytest.mark.pairs(*(pairs or release.pairs))
+    return pytest.param(release, *values, marks=marks, id="-".join(filter(None, (release.name, name))))
+
+
+#: the probes, then the states: what both orders of activation report
+READ = """
+p = probes()
+st = {s.name: s for s in alp.status()}
+report(**p, fixed=sorted(n for n, s in st.items() if s.reason.startswith("already fixed upstream")),
+       failed=sorted(n for n, s in st.items() if s.state == "failed"))
+"""
 
 
 def result(proc) -> dict:
@@ -49,96 +136,67 @@ def test_import_is_cheap_and_imports_no_heavy_module():
     assert out["heavy"] == [], out
 
 
-@pytest.mark.pairs(*IN_RANGE)
-def test_activate_then_import():
-    out = result(
-        run_python(
-            STANDINS
-            + """
-import ascend_layerwise_patch
-import vllm_ascend.attention.utils as u
-report(wait=ours(u.wait_for_kv_layer_from_connector), save=ours(u.maybe_save_kv_layer_to_connector))
-"""
-        )
-    )
-    assert out == {"wait": "guard_wait", "save": "guard_save"}
+@pytest.mark.parametrize("release", [on(BASE), on(V030)])
+def test_activate_then_import(release):
+    out = result(run_python(STANDINS + "import ascend_layerwise_patch as alp\n" + release.probes + release.settle + READ))
+    assert {k: out[k] for k in release.applied} == release.applied, out
+    assert out["failed"] == [] and release.fixed <= set(out["fixed"]), out
 
 
-@pytest.mark.pairs(*FULL)
-def test_import_then_activate_patches_existing_copies():
-    out = result(
-        run_python(
-            STANDINS
-            + """
+#: per release: what is imported before the library, what is then read, and what must be found.
+#: On the base releases the guards' copies (made by the modules that import the helpers) are patched
+#: where they stand; on 0.30 the probed targets are patched in place
+EXISTING = {
+    BASE.name: (
+        """
 import vllm_ascend.ops.gdn as gdn, vllm_ascend.attention.mla_v1 as mla
 keep = [gdn.maybe_save_kv_layer_to_connector]  # a list: a module-level name would be an unknown copy
-import ascend_layerwise_patch
+""",
+        """
 from vllm_ascend.attention import utils as u
-st = {s.name: s for s in ascend_layerwise_patch.status()}
+st = {s.name: s for s in alp.status()}
 report(
     gdn_copy=ours(gdn.maybe_save_kv_layer_to_connector), mla_wait=ours(mla.wait_for_kv_layer_from_connector),
     same_object=gdn.maybe_save_kv_layer_to_connector is u.maybe_save_kv_layer_to_connector,
     wrapped_original=gdn.maybe_save_kv_layer_to_connector.__wrapped__ is keep[0],
     core=ours(gdn.AscendGatedDeltaNetAttention._forward_core), state=st["gdn_layerwise"].state,
 )
-"""
-        )
-    )
-    assert out == {
-        "gdn_copy": "guard_save",
-        "mla_wait": "guard_wait",
-        "same_object": True,
-        "wrapped_original": True,
-        "core": "gdn_layerwise",
-        "state": "applied",
-    }
+""",
+        {
+            "gdn_copy": "guard_save",
+            "mla_wait": "guard_wait",
+            "same_object": True,
+            "wrapped_original": True,
+            "core": "gdn_layerwise",
+            "state": "applied",
+        },
+    ),
+    V030.name: (V030.probes, READ, {**V030.applied, "failed": []}),
+}
 
 
-@pytest.mark.pairs(*IN_RANGE)
-def test_activate_twice_and_plugin_plus_import_wrap_once():
-    out = result(
-        run_python(
-            STANDINS
-            + """
-import ascend_layerwise_patch
-from ascend_layerwise_patch import plugin
-import vllm_ascend.attention.utils as u
-first = u.wait_for_kv_layer_from_connector
-ascend_layerwise_patch.activate(); plugin.register()
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-f = u.wait_for_kv_layer_from_connector
-report(same=f is first, inner_is_plain=ours(f.__wrapped__) is None)
-"""
-        )
-    )
-    assert out == {"same": True, "inner_is_plain": True}
+@pytest.mark.parametrize("release", [on(BASE, pairs=FULL), on(V030)])
+def test_import_then_activate_patches_existing_copies(release):
+    before, read, want = EXISTING[release.name]
+    out = result(run_python(STANDINS + before + "import ascend_layerwise_patch as alp\n" + release.settle + read))
+    assert {k: out[k] for k in want} == want, out
+    assert release.fixed <= set(out.get("fixed", ())), out
 
 
-@pytest.mark.pairs(*IN_RANGE)
-def test_revert_then_reapply():
-    out = result(
-        run_python(
-            STANDINS
-            + """
-import ascend_layerwise_patch as alp
-import vllm_ascend.ops  # as the NPU platform does first: vllm-ascend has an import cycle otherwise
-import vllm_ascend.attention.utils as u, vllm_ascend.attention.mla_v1 as mla
-keep = [u.wait_for_kv_layer_from_connector.__wrapped__]  # not a module-level name: that is an unknown copy
-alp.revert()
-back = u.wait_for_kv_layer_from_connector is keep[0] and mla.wait_for_kv_layer_from_connector is keep[0]
-alp.activate()
-report(back=back, again=ours(u.wait_for_kv_layer_from_connector), alias=ours(mla.wait_for_kv_layer_from_connector),
-       inner=u.wait_for_kv_layer_from_connector.__wrapped__ is keep[0])
-"""
-        )
-    )
-    assert out == {"back": True, "again": "guard_wait", "alias": "guard_wait", "inner": True}
+#: the GDN layer class vLLM's model uses (vllm-ascend's worker patches point the Qwen class's
+#: method at vllm-ascend's): ours on the base releases; upstream's on 0.30, which waits itself
+QWEN_CORE = {BASE.name: "gdn_layerwise", V030.name: None}
 
 
-@pytest.mark.pairs(*FULL)
-@pytest.mark.parametrize("ours_first", [True, False], ids=["ours-first", "worker-patches-first"])
-def test_vllm_ascend_worker_patches_keep_ours(ours_first):
+@pytest.mark.parametrize(
+    "release,ours_first",
+    [
+        on(release, first, pairs=release.full, name=name)
+        for release in (BASE, V030)
+        for first, name in ((True, "ours-first"), (False, "worker-patches-first"))
+    ],
+)
+def test_vllm_ascend_worker_patches_keep_ours(release, ours_first):
     """NPUWorker imports vllm_ascend.patch.worker late; its copies must end up pointing at ours."""
     order = ["import ascend_layerwise_patch", "import vllm_ascend.patch.worker"]
     if not ours_first:
@@ -147,14 +205,55 @@ def test_vllm_ascend_worker_patches_keep_ours(ours_first):
         run_python(
             STANDINS
             + "\n".join(order)
+            + release.probes
             + """
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention as Q
 from vllm_ascend.ops.gdn import AscendGatedDeltaNetAttention as A
-report(qwen=ours(vars(Q)["_forward_core"]), same=vars(Q)["_forward_core"] is vars(A)["_forward_core"])
+report(**probes(), qwen=ours(vars(Q)["_forward_core"]), same=vars(Q)["_forward_core"] is vars(A)["_forward_core"])
 """
         )
     )
-    assert out == {"qwen": "gdn_layerwise", "same": True}
+    assert out == {**release.applied, "qwen": QWEN_CORE[release.name], "same": True}
+
+
+@pytest.mark.parametrize("release", [on(BASE), on(V030)])
+def test_plugin_twice_revert_and_reapply_wrap_once(release):
+    """Activation again, the plugin and vLLM's plugin loading wrap each target once; revert puts the
+    originals back (a copy's too) and activation again wraps them afresh."""
+    target, copy = release.target, release.copy or release.target
+    out = result(
+        run_python(
+            STANDINS
+            + "import ascend_layerwise_patch as alp\nfrom ascend_layerwise_patch import plugin\n"
+            + release.imports
+            + release.probes
+            + f"""
+first = {target}
+alp.activate(); plugin.register()
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+same = {target} is first
+plain = ours(first.__wrapped__) is None
+keep = [first.__wrapped__]  # not a module-level name: that is an unknown copy
+alp.revert()
+back = {target} is keep[0] and {copy} is keep[0]
+reverted = probes()
+alp.activate()
+again = {target}
+report(same=same, plain=plain, back=back, reverted=reverted, again=probes(), copy=ours({copy}) == ours(again),
+       inner=again.__wrapped__ is keep[0])
+"""
+        )
+    )
+    assert out == {
+        "same": True,
+        "plain": True,
+        "back": True,
+        "reverted": dict.fromkeys(release.applied),
+        "again": release.applied,
+        "copy": True,
+        "inner": True,
+    }
 
 
 SPAWN = """
@@ -163,27 +262,27 @@ sys.path.insert(0, r"{here}")
 import spawn_child
 if __name__ == "__main__":
     q = mp.get_context("spawn").Queue()
-    p = mp.get_context("spawn").Process(target=spawn_child.main, args=(q,))
+    p = mp.get_context("spawn").Process(target=spawn_child.main, args=(q, "{probe}"))
     p.start(); out = q.get(timeout=240); p.join(60)
     print("RESULT " + out)
 """
 
 
-@pytest.mark.pairs(*IN_RANGE)
 @pytest.mark.parametrize(
-    "plugins,patched",
+    "release,plugins,patched",
     [
-        (None, True),
-        ("ascend,ascend_layerwise_patch,ascend_kv_connector", True),
-        ("ascend,ascend_kv_connector", False),
+        on(BASE, None, True, name="all-plugins"),
+        on(BASE, "ascend,ascend_layerwise_patch,ascend_kv_connector", True, name="listed"),
+        on(BASE, "ascend,ascend_kv_connector", False, name="left-out"),
+        on(V030, None, True, name="all-plugins"),
+        on(V030, "ascend,ascend_kv_connector", False, name="left-out"),
     ],
-    ids=["all-plugins", "listed", "left-out"],
 )
-def test_spawned_child_gets_patches_through_vllm_plugins(plugins, patched):
+def test_spawned_child_gets_patches_through_vllm_plugins(release, plugins, patched):
     env = {} if plugins is None else {"VLLM_PLUGINS": plugins}
-    out = result(run_python(SPAWN.format(here=ROOT / "tests" / "standins"), env=env))
+    out = result(run_python(SPAWN.format(here=ROOT / "tests" / "standins", probe=release.child_probe), env=env))
     assert out["loaded_package"] is patched
-    assert out["wait"] == ("guard_wait" if patched else None)
+    assert out[release.child_probe] == (release.applied[release.child_probe] if patched else None)
 
 
 @pytest.mark.pairs("v0240")

@@ -55,11 +55,21 @@ def _admitted(spec, vllm, ascend):
     return ok_vllm and ok_ascend, why_vllm or why_ascend
 
 
+def _past_newest() -> list[tuple[str, str]]:
+    """The releases just past the newest pair of scripts/pairs.txt (vLLM's next minor with the newest
+    vllm-ascend, and the reverse): unknown, refused until a pair is declared for them."""
+    from packaging.version import Version
+    from support import expected_states
+
+    vllm, ascend = (max(column, key=Version) for column in zip(*expected_states().pair_versions().values()))
+    after = [Version(v).release[:2] for v in (vllm, ascend)]
+    return [(f"{after[0][0]}.{after[0][1] + 1}.0", ascend), (vllm, f"{after[1][0]}.{after[1][1] + 1}.0rc1")]
+
+
 @pytest.mark.parametrize(
     "vllm,ascend",
     [("0.27.1", "0.27.1rc1"), ("0.28.0", "0.28.0rc1"), ("0.29.0", "0.29.0rc1"), ("0.28.0", "0.27.1rc1"),
-     ("0.30.0", "0.29.0rc1"), ("0.27.0", "0.30.0rc2"), ("0.28.0", "0.30.0rc2"), ("0.31.0", "0.30.0rc2"),
-     ("0.30.0", "0.31.0rc1")],
+     ("0.30.0", "0.29.0rc1"), ("0.27.0", "0.30.0rc2"), ("0.28.0", "0.30.0rc2"), *_past_newest()],
 )
 def test_vllm_ascend_027_to_029_and_unknown_pairs_are_refused_with_a_reason(vllm, ascend):
     for spec in ALL_SPECS:
@@ -73,3 +83,45 @@ def test_vllm_ascend_030_is_admitted_by_the_groups_declared_for_it(vllm):
     admitted = {s.name for s in ALL_SPECS if _admitted(s, vllm, "0.30.0rc2")[0]}
     expected = ON_030 - ONLY_VLLM_030 if vllm.startswith("0.29") else ON_030
     assert admitted == expected, admitted ^ expected
+
+
+# issue 35: every group is declared once (_checks.Group) with a range named once (_ranges)
+from ascend_layerwise_patch.patches import _ranges  # noqa: E402
+from ascend_layerwise_patch.patches._checks import Group, expects  # noqa: E402
+
+
+def test_every_spec_requires_a_named_range():
+    named = set(_ranges.ALL.values())
+    for spec in ALL_SPECS:
+        assert _ranges.Ranges(spec.requires["vllm"], spec.requires["vllm_ascend"]) in named, spec.name
+
+
+def test_a_group_declares_its_specs():
+    group = Group("g", _ranges.V025, risk="r", why="w")
+    a = group.spec("a", "m:f", print, precondition=expects(["x"]))
+    b = group.spec("b", "m:f", print, ranges=_ranges.V030, why="own", precondition=len)
+    assert group == "g" and type(a.group) is str and a.group == "g"
+    assert a.requires == {"vllm": _ranges.V025.vllm, "vllm_ascend": _ranges.V025.vllm_ascend} and (a.risk, a.why) == ("r", "w")
+    assert a.expects == expects(["x"]) and a.precondition is None
+    assert b.requires == dict(zip(("vllm", "vllm_ascend"), _ranges.V030)) and b.why == "own" and b.precondition is len
+
+
+def _range_literals(text: str) -> list[str]:
+    """String constants of ``text`` that are version ranges (docstrings and comments are text)."""
+    import ast
+    import re
+
+    return [
+        node.value
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"\s*(==|!=|>=|<=|<|>|~=)\s*\d[\w.*]*(\s*,.*)?", node.value)
+    ]
+
+
+def test_ranges_are_typed_only_in_ranges():
+    import pathlib
+
+    root = pathlib.Path(_ranges.__file__).parent
+    typed = {str(p.relative_to(root)): _range_literals(p.read_text()) for p in root.rglob("*.py") if p.name != "_ranges.py"}
+    assert {path: found for path, found in typed.items() if found} == {}
+    assert _range_literals('VLLM = ">=0.25.0,<0.27"\nX = "0.25"\n') == [">=0.25.0,<0.27"]  # the scan sees one

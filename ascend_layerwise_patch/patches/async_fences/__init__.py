@@ -33,13 +33,11 @@ import textwrap
 import types
 
 from ...host import logger
-from .._checks import PatchSpec
+from .._checks import Group
+from .._ranges import V025_026
 from .._targets import STORE
 from .._checks import source as _source
 
-GROUP = "async_fences"
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
 ASYNC = "vllm.v1.core.sched.async_scheduler"
 CONNECTOR = f"{STORE}.ascend_store_connector"
 
@@ -177,16 +175,15 @@ def make_init(original):
     return __init__
 
 
+GROUP = Group("async_fences", V025_026)
+
 SPECS = (
-    PatchSpec(
-        name="async_free_fence",
-        group=GROUP,
-        target=f"{ASYNC}:AsyncScheduler.__init__",
-        factory=make_init,
+    GROUP.spec(
+        "async_free_fence",
+        f"{ASYNC}:AsyncScheduler.__init__",
+        make_init,
         why="defers block frees while a step is in flight for layerwise AscendStore roles that load "
         "(vLLM does it for kv_consumer only): a pool-hit load never targets a block the step still writes",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_precondition,
         risk="a kv_producer's pool-hit load can target a block an in-flight step still writes",
         fixed_upstream=_fixed_upstream,

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import functools
 
-from .._checks import PatchSpec
+from .._checks import Group
+from .._ranges import SUPPORTED
 from .._targets import STATE
 from .._checks import copies_in_source
 
-VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
-VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 MODULE = "vllm_ascend.attention.utils"
 
 #: modules known to copy each helper with ``from vllm_ascend.attention.utils import ...`` (0.25.1rc1);
@@ -128,23 +127,20 @@ def find_copies(name: str):
     return lambda: _copies()[name]
 
 
-def _spec(name: str, params: list[str]) -> PatchSpec:
-    return PatchSpec(
-        name="guard_" + ("wait" if name.startswith("wait") else "save"),
-        group="connector_guards",
-        target=f"{MODULE}:{name}",
-        factory=guard,
-        why="skip connector calls while no connector metadata is bound (profile / dummy runs)",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        aliases=tuple(f"{module}:{name}" for module in COPIED_INTO[name]),
-        precondition=_expects(params),
-        fixed_upstream=_already_guarded,
-        find_aliases=find_copies(name),
-    )
+def copied(name: str) -> dict:
+    """A helper's copies: those known (``aliases``) and those found at activation (``find_aliases``)."""
+    return {"aliases": tuple(f"{module}:{name}" for module in COPIED_INTO[name]), "find_aliases": find_copies(name)}
 
 
+GROUP = Group(
+    "connector_guards",
+    SUPPORTED,
+    why="skip connector calls while no connector metadata is bound (profile / dummy runs)",
+    fixed_upstream=_already_guarded,
+)
+
+WAIT, SAVE = HELPERS
 SPECS = (
-    _spec("wait_for_kv_layer_from_connector", ["layer_name"]),
-    _spec("maybe_save_kv_layer_to_connector", ["layer_name", "kv_cache_layer"]),
+    GROUP.spec("guard_wait", f"{MODULE}:{WAIT}", guard, precondition=_expects(["layer_name"]), **copied(WAIT)),
+    GROUP.spec("guard_save", f"{MODULE}:{SAVE}", guard, precondition=_expects(["layer_name", "kv_cache_layer"]), **copied(SAVE)),
 )

@@ -42,12 +42,11 @@ from __future__ import annotations
 import functools
 import importlib
 
-from .._checks import PatchSpec, expects, source
+from .._checks import expects, source
 from . import mamba_precopy
+from ._group import GROUP, GROUP_310P
 from .._targets import STATE
 
-VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
-VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 PARAMS = ["self", "mixed_qkv", "b", "a", "core_attn_out"]
 #: where the compute-start fence lives: its own module up to 0.26, the AscendStore pool's package on 0.30
 FENCES = ("vllm_ascend.memcache_comm_fence", "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.attention_fence")
@@ -116,28 +115,22 @@ def join_layerwise(original):
     return _forward_core
 
 
-def _spec(name: str, group: str, target: str) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        group=group,
-        target=target,
-        factory=join_layerwise,
-        why="GDN layers wait for their layer and record the compute-start fence before computing",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        aliases=(QWEN_GDN,),
-        copied_by=("vllm_ascend.patch.worker.patch_qwen3_5",),
-        expects=EXPECTS,
-        precondition=_precondition,
-        fixed_upstream=_fixed_upstream,
-    )
-
+#: what the two layers' patches share: the same wait, on each layer class's ``_forward_core``
+_WAIT = dict(
+    why="GDN layers wait for their layer and record the compute-start fence before computing",
+    aliases=(QWEN_GDN,),
+    copied_by=("vllm_ascend.patch.worker.patch_qwen3_5",),
+    expects=EXPECTS,
+    precondition=_precondition,
+    fixed_upstream=_fixed_upstream,
+)
 
 SPECS = (
-    _spec("gdn_layerwise", "gdn_layerwise", "vllm_ascend.ops.gdn:AscendGatedDeltaNetAttention._forward_core"),
-    _spec(
-        "gdn_layerwise_310p",
+    GROUP.spec("gdn_layerwise", "vllm_ascend.ops.gdn:AscendGatedDeltaNetAttention._forward_core", join_layerwise, **_WAIT),
+    GROUP_310P.spec(
         "gdn_layerwise_310p",
         "vllm_ascend._310p.ops.fla.gdn_310:AscendGatedDeltaNetAttention310._forward_core",
+        join_layerwise,
+        **_WAIT,
     ),
 )

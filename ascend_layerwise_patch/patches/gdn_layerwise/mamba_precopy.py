@@ -46,14 +46,11 @@ from __future__ import annotations
 import functools
 import importlib
 
-from .._checks import PatchSpec
 from .._checks import param_names as _params
 from .._targets import STATE
+from ._group import GROUP  # applies with the GDN per-layer wait, or not at all
 
-VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
-VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
-GROUP = "gdn_layerwise"
 COLLECT_PARAMS = [
     "copy_bufs",
     "kv_cache_config",
@@ -299,34 +296,22 @@ def copy_for_layer(layer_name: str) -> None:
         importlib.import_module(MAMBA_UTILS).batch_memcpy(*rows)
 
 
-def _spec(name: str, target: str, factory, precondition, why: str) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        group=GROUP,  # applies with the GDN per-layer wait, or not at all
-        target=f"{MAMBA_UTILS}:{target}",
-        factory=factory,
-        why=why,
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=precondition,
-        fixed_upstream=_fixed_upstream,
-        counters=counters if name == "mamba_precopy_defer" else None,
-    )
-
-
 SPECS = (
-    _spec(
+    GROUP.spec(
         "mamba_precopy_rows",
-        "collect_mamba_copy_meta",
+        f"{MAMBA_UTILS}:collect_mamba_copy_meta",
         record_rows,
-        _collect_precondition,
-        "remembers which request / layer each align pre-copy row belongs to",
+        why="remembers which request / layer each align pre-copy row belongs to",
+        precondition=_collect_precondition,
+        fixed_upstream=_fixed_upstream,
     ),
-    _spec(
+    GROUP.spec(
         "mamba_precopy_defer",
-        "do_mamba_copy_block",
+        f"{MAMBA_UTILS}:do_mamba_copy_block",
         defer_loaded_rows,
-        _copy_precondition,
-        "pre-copies whose source a layerwise load writes run per layer, after that layer's load",
+        why="pre-copies whose source a layerwise load writes run per layer, after that layer's load",
+        precondition=_copy_precondition,
+        fixed_upstream=_fixed_upstream,
+        counters=counters,
     ),
 )

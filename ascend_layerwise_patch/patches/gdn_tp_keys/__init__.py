@@ -51,16 +51,12 @@ from __future__ import annotations
 import functools
 import importlib
 
-from .._checks import PatchSpec
+from .._checks import Group
+from .._ranges import V025_026
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
-GROUP = "gdn_tp_keys"
 RISK = "GDN state keyed per KV head: at TP > KV heads, ranks load another rank's GDN slice on a pool hit"
 
 
@@ -240,55 +236,50 @@ def _scheduler_ok(original) -> str | None:
 
 
 
-def _spec(name: str, target: str, factory, precondition, fixed_upstream=_upstream_keys_per_rank, after=()) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        group=GROUP,
-        target=f"{STORE}.{target}",
-        factory=factory,
-        why="GDN (align-state) groups are keyed, saved and loaded per TP rank in the layerwise pool",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=precondition,
-        risk=RISK,
-        fixed_upstream=fixed_upstream,
-        after=after,
-    )
+# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
+# sending thread); not declared for it: out of range there, see the README's version table
+GROUP = Group(
+    "gdn_tp_keys",
+    V025_026,
+    risk=RISK,
+    why="GDN (align-state) groups are keyed, saved and loaded per TP rank in the layerwise pool",
+    fixed_upstream=_upstream_keys_per_rank,
+)
 
 
 _SAVE_NEEDS = ("self.put_step", "_make_layerwise_gva_key", "_allocated_gvas")
 
 SPECS = (
-    _spec(
+    GROUP.spec(
         "gdn_tp_key",
-        "pool_worker:KVPoolWorker._make_layerwise_gva_key",
+        f"{STORE}.pool_worker:KVPoolWorker._make_layerwise_gva_key",
         make_key,
-        _worker_ok(["self", "group_id", "block_hash_hex"], needs=("head_or_tp_rank",)),
+        precondition=_worker_ok(["self", "group_id", "block_hash_hex"], needs=("head_or_tp_rank",)),
     ),
-    _spec(
+    GROUP.spec(
         "gdn_tp_save",
-        "pool_worker:KVPoolWorker._process_save_for_layer_batch",
+        f"{STORE}.pool_worker:KVPoolWorker._process_save_for_layer_batch",
         make_process_save,
-        _worker_ok(["self", "requests", "layer_id", "group_id", "layer_idx_in_group"], needs=("self.put_step",)),
+        precondition=_worker_ok(["self", "requests", "layer_id", "group_id", "layer_idx_in_group"], needs=("self.put_step",)),
     ),
-    _spec(
+    GROUP.spec(
         "gdn_tp_alloc",
-        "pool_worker:KVPoolWorker._alloc_gvas_for_save",
+        f"{STORE}.pool_worker:KVPoolWorker._alloc_gvas_for_save",
         make_alloc,
-        _worker_ok(["self", "requests"], needs=(*_SAVE_NEEDS, "batch_alloc", "save_keys")),
+        precondition=_worker_ok(["self", "requests"], needs=(*_SAVE_NEEDS, "batch_alloc", "save_keys")),
         after=("mamba_pool_no_null_keys",),  # mamba_pool_hit's filter of null blocks wraps it first
     ),
-    _spec(
+    GROUP.spec(
         "gdn_tp_finish",
-        "pool_worker:KVPoolWorker._build_shared_save_data",
+        f"{STORE}.pool_worker:KVPoolWorker._build_shared_save_data",
         make_build_shared,
-        _worker_ok(["self"], needs=("layer_save_tasks", "shared_block_data"), globals_=("LayerTransferTask",)),
-        _finish_upstream,
+        precondition=_worker_ok(["self"], needs=("layer_save_tasks", "shared_block_data"), globals_=("LayerTransferTask",)),
+        fixed_upstream=_finish_upstream,
     ),
-    _spec(
+    GROUP.spec(
         "gdn_tp_hit_check",
-        "pool_scheduler:KVPoolScheduler._make_layerwise_gva_keys_for_hit_check",
+        f"{STORE}.pool_scheduler:KVPoolScheduler._make_layerwise_gva_keys_for_hit_check",
         make_hit_keys,
-        _scheduler_ok,
+        precondition=_scheduler_ok,
     ),
 )

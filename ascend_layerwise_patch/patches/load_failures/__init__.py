@@ -86,7 +86,7 @@ Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-
 from __future__ import annotations
 
 from . import policy, report, rollback, saves
-from ._common import _NO_RELOAD, GROUP, POLICY_GROUP, ROLLBACK_GROUP, SAVES_GROUP, VLLM, VLLM_ASCEND  # noqa: F401
+from ._common import _NO_RELOAD, GROUP, POLICY_GROUP, ROLLBACK_GROUP, SAVES_GROUP  # noqa: F401
 from .report import _resume_point, _upstream_hybrid, _upstream_reports  # noqa: F401  (tests read them)
 
 _BY_NAME = {spec.name: spec for module in (report, saves, policy, rollback) for spec in module.SPECS}

@@ -1,32 +1,28 @@
-"""What the load_failures groups share: ranges, group names, the marks they leave on vLLM's and
-vllm-ascend's objects, and how their specs are declared."""
+"""What the load_failures groups share: their declarations (names, ranges, risk), and the marks they
+leave on vLLM's and vllm-ascend's objects."""
 
 from __future__ import annotations
 
-from .._checks import PatchSpec
-
-
-VLLM = ">=0.25.0,<0.26"
-
-
-VLLM_ASCEND = ">=0.25.1,<0.26"
-
-
-GROUP = "load_failures"
-
-
-POLICY_GROUP = "load_failures_policy"  # the platform's config check: imported long before the rest
-
-
-ROLLBACK_GROUP = "load_failures_rollback"  # recompute = evict + preempt (own group: own switch)
-
-
-SAVES_GROUP = "load_failures_saves"  # a failed step's saves are finished failed (own group: own switch)
-
-
-
+from .._checks import Group
+from .._ranges import V025
 
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
+
+_WHY = (
+    "failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
+    "which handles hybrid (multi-group) requests"
+)
+
+GROUP = Group("load_failures", V025, risk=RISK, why=_WHY)
+
+#: the platform's config check: imported long before the rest
+POLICY_GROUP = Group("load_failures_policy", V025, risk=RISK, why=_WHY)
+
+#: recompute = evict + preempt (own group: own switch)
+ROLLBACK_GROUP = Group("load_failures_rollback", V025, risk=RISK, why=_WHY)
+
+#: a failed step's saves are finished failed (own group: own switch)
+SAVES_GROUP = Group("load_failures_saves", V025, risk=RISK, why=_WHY)
 
 
 _FAILED_COPY = "_ascend_layerwise_patch_failed_copy"  # thread: result of the copy being handled
@@ -63,29 +59,4 @@ def _as_scheduled(request, num_scheduled_tokens):
             return None if entry[3] is None else (entry[2], entry[3])
     return None
 
-
-_WHY = (
-    "failed, raised or timed-out layerwise loads are reported to vLLM's invalid-block handling, "
-    "which handles hybrid (multi-group) requests"
-)
-
-
-def _spec(
-    name: str, target: str, factory, precondition, fixed, group=GROUP, aliases=(), why=_WHY, risk=RISK, context=False, after=()
-) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        group=group,
-        target=target,
-        aliases=aliases,
-        factory=factory,
-        why=why,
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=precondition,
-        risk=risk,
-        fixed_upstream=fixed,
-        context=context,
-        after=after,
-    )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from .._checks import source as _source
-from ._common import GROUP, POLICY_GROUP, _spec
+from ._common import GROUP, POLICY_GROUP
 
 
 def make_policy_check(original, context):
@@ -51,13 +51,12 @@ def _upstream_allows_hybrid(original) -> str | None:
 
 
 SPECS = (
-    _spec(
+    POLICY_GROUP.spec(
         "load_fail_policy",
         "vllm_ascend.platform:NPUPlatform._validate_kv_load_failure_policy",
         make_policy_check,
-        _policy_ok,
-        fixed=_upstream_allows_hybrid,
-        group=POLICY_GROUP,
+        precondition=_policy_ok,
+        fixed_upstream=_upstream_allows_hybrid,
         context=True,
     ),
 )

@@ -13,7 +13,7 @@ from ...host import logger
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
-from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, _TAINTED, _as_scheduled, _spec
+from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, _TAINTED, GROUP, _as_scheduled
 
 
 WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
@@ -357,27 +357,33 @@ _COPY = ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "
 
 
 SPECS = (
-    _spec(
+    GROUP.spec(
         "load_fail_copy",
         f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._batch_copy_with_limits",
         make_batch_copy,
-        _expects(_COPY, needs=("batch_copy",)),
-        fixed=_upstream_reports,
+        precondition=_expects(_COPY, needs=("batch_copy",)),
+        fixed_upstream=_upstream_reports,
     ),
-    _spec(
+    GROUP.spec(
         "load_fail_thread",
         f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._handle_request",
         make_recv_handle,
-        _recv_ok,
-        fixed=_upstream_reports,
+        precondition=_recv_ok,
+        fixed_upstream=_upstream_reports,
     ),
-    _spec("load_fail_wait", f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load", make_wait, _wait_ok, fixed=_upstream_reports),
-    _spec(
+    GROUP.spec(
+        "load_fail_wait",
+        f"{STORE}.pool_worker:KVPoolWorker.wait_for_layer_load",
+        make_wait,
+        precondition=_wait_ok,
+        fixed_upstream=_upstream_reports,
+    ),
+    GROUP.spec(
         "load_fail_scheduler",
         "vllm.v1.core.sched.scheduler:Scheduler._update_requests_with_invalid_blocks",
         make_update_invalid,
-        _expects(_INVALID, needs=("get_block_ids",)),
-        fixed=_upstream_hybrid,
+        precondition=_expects(_INVALID, needs=("get_block_ids",)),
+        fixed_upstream=_upstream_hybrid,
         # vllm-ascend's patch_balance_schedule rebinds the module's ``Scheduler`` to its subclass;
         # after that the target names the subclass, and this alias the base class every other
         # scheduler (AsyncScheduler, vllm-ascend's own) inherits the method from.

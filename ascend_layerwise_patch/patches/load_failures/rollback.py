@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import time
 
-from ... import pool_events
-from ...host import logger
+from .. import _failed_load
 from .._checks import (
     build_meta_expects,
     upstream_keeps_resumed,
@@ -19,7 +17,7 @@ from .._checks import (
 from .._checks import expects as _expects
 from .._checks import source as _source
 from .._targets import STORE
-from ._common import _FRAMES, _NO_RELOAD, ROLLBACK_GROUP, _as_scheduled, _spec
+from ._common import _FRAMES, _NO_RELOAD, ROLLBACK_GROUP, _as_scheduled
 
 
 def make_handle_invalid(original):
@@ -36,54 +34,46 @@ def make_handle_invalid(original):
     force-preemption (``reset_prefix_cache``) discards them: ``async_tokens_to_discard``.
     Under ``recompute`` vLLM evicts nothing, so without the eviction the invalid blocks, and those
     computed from them, stay cached and a later request with that prefix (or the resumed one) is
-    served them by a local hit."""
-    status = importlib.import_module("vllm.v1.request").RequestStatus
+    served them by a local hit. The shared part: ``_failed_load.make_handle_invalid``."""
+    return _failed_load.make_handle_invalid(
+        original,
+        mark=_NO_RELOAD,
+        # vLLM 0.25 rewinds to the first invalid block of what the request computed, the failed
+        # step's tokens included: all of them are recomputed
+        computed_before=lambda request, _num_scheduled_tokens: request.num_computed_tokens,
+        evicted=_evicted_from_points,
+        preempt=_preempt_discarding_frames,
+        message="ascend_layerwise_patch: request(s) %s preempted after a failed KV load (recompute); %d block(s) "
+        "evicted from the prefix cache",
+    )
 
-    @functools.wraps(original)
-    def _handle_invalid_blocks(self, invalid_block_ids, num_scheduled_tokens):
-        before = {r.request_id: r.num_computed_tokens for r in self.running}  # only called on a failed load
-        failed = original(self, invalid_block_ids, num_scheduled_tokens)
-        groups = self.kv_cache_config.kv_cache_groups
-        if not failed or not self.recompute_kv_load_failures or len(groups) <= 1:
-            return failed
-        rolled = [r for r in self.running if r.request_id in failed and r.status == status.RUNNING]
-        if not rolled:
-            return failed
-        manager = self.kv_cache_manager
-        evict: set[int] = set()
-        points = {}
-        for request in rolled:
-            # where _update_requests_with_invalid_blocks rolled it back to
-            point = points[request.request_id] = request.num_computed_tokens
-            tables = [manager.get_block_ids(request.request_id)]
-            recorded = _as_scheduled(request, num_scheduled_tokens)
-            if recorded is not None:  # async: blocks the failed step held that align mode freed since
-                tables.append(recorded[1])
-            for table in tables:
-                for group, ids in zip(groups, table):
-                    size = group.kv_cache_spec.block_size
-                    evict.update(b for b in ids[point // size :] if b)
-        if evict:
-            manager.evict_blocks(evict)
-        now = time.monotonic()
-        for request in rolled:
-            request.__dict__[_NO_RELOAD] = True  # recompute: the resume must not load the failed range again
-            in_flight = _frames_after(request, num_scheduled_tokens)
-            self.running.remove(request)
-            self._preempt_request(request, now)
-            request.async_tokens_to_discard += in_flight
-            request.num_output_placeholders = 0
-        pool_events.bump("requests_rolled_back", len(rolled))
-        pool_events.bump("tokens_recomputed", sum(before.get(r.request_id, 0) - points[r.request_id] for r in rolled))
-        logger().warning(
-            "ascend_layerwise_patch: request(s) %s preempted after a failed KV load (recompute); %d block(s) "
-            "evicted from the prefix cache",
-            sorted(r.request_id for r in rolled),
-            len(evict),
-        )
-        return failed
 
-    return _handle_invalid_blocks
+def _evicted_from_points(scheduler, rolled, points, num_scheduled_tokens) -> set[int]:
+    """vLLM 0.25 rewinds a request to a block boundary (its rollback point), not to 0: the blocks
+    from there on, in every group, are evicted -- those of the request's table now and, under async
+    scheduling, those the failed step held that align mode freed since (``_as_scheduled``)."""
+    manager, groups = scheduler.kv_cache_manager, scheduler.kv_cache_config.kv_cache_groups
+    evict: set[int] = set()
+    for request in rolled:
+        point = points[request.request_id]
+        tables = [manager.get_block_ids(request.request_id)]
+        recorded = _as_scheduled(request, num_scheduled_tokens)
+        if recorded is not None:  # async: blocks the failed step held that align mode freed since
+            tables.append(recorded[1])
+        for table in tables:
+            for group, ids in zip(groups, table):
+                size = group.kv_cache_spec.block_size
+                evict.update(b for b in ids[point // size :] if b)
+    return evict
+
+
+def _preempt_discarding_frames(scheduler, request, now, num_scheduled_tokens) -> None:
+    """vLLM 0.25's ``_preempt_request`` has no ``drop_stale_output``: the frames still in flight
+    after the failed step are discarded as ``reset_prefix_cache`` discards them."""
+    in_flight = _frames_after(request, num_scheduled_tokens)
+    scheduler._preempt_request(request, now)
+    request.async_tokens_to_discard += in_flight
+    request.num_output_placeholders = 0
 
 
 def make_no_reload(original):
@@ -91,14 +81,7 @@ def make_no_reload(original):
     ``recompute`` it recomputes what it could not load, as vLLM's in-place rollback does (a running
     request never asks its connector again). Asking again would load the same keys: a store that
     keeps failing or stays slower than the wait would preempt it at every resume, for ever."""
-
-    @functools.wraps(original)
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if request.__dict__.get(_NO_RELOAD):
-            return 0, False
-        return original(self, request, num_computed_tokens)
-
-    return get_num_new_matched_tokens
+    return _failed_load.make_no_reload(original, mark=_NO_RELOAD)
 
 
 def _frames_after(request, num_scheduled_tokens) -> int:
@@ -142,44 +125,22 @@ def make_async_after_schedule(original):
 
 
 def make_build_meta(original):
-    """vllm-ascend's pool scheduler handles ``preempted_req_ids`` after ``schedule()`` already
-    resumed the request (``update_state_after_alloc``): it drops the entry the resume just made and
-    then raises ("not in _unfinished_requests") on the resumed request. vLLM resumes in the next
-    ``schedule()`` a request preempted outside it (the rollback above, ``reset_prefix_cache``). For
-    those requests the preemption's cleanup runs here, before the original, keeping that entry; the
-    metadata still carries every preempted id to the workers."""
-
-    @functools.wraps(original)
-    def build_connector_meta(self, scheduler_output):
-        preempted = scheduler_output.preempted_req_ids
-        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
-        both = {r for r in (preempted or ()) if r in resumed and r in self._unfinished_requests}
-        if not both:
-            return original(self, scheduler_output)
-        for req_id in both:  # upstream's preempted cleanup, minus dropping the resumed entry
-            self._preempted_req_ids.add(req_id)
-            self._request_trackers.pop(req_id, None)
-            self._loading_req_ids.discard(req_id)
-            self._delayed_free_req_ids.discard(req_id)
-        scheduler_output.preempted_req_ids = type(preempted)(r for r in preempted if r not in both)
-        try:
-            meta = original(self, scheduler_output)
-        finally:
-            scheduler_output.preempted_req_ids = preempted
-        if getattr(meta, "preempted_req_ids", None) is not None:
-            meta.preempted_req_ids = preempted
-        return meta
-
-    return build_connector_meta
+    """vllm-ascend's pool scheduler raises on a request preempted outside ``schedule()`` and resumed
+    by the next one (the rollback above, ``reset_prefix_cache``): its preemption's cleanup runs here
+    instead, keeping the resume's entry (``_failed_load.make_build_meta``)."""
+    # vllm-ascend 0.25.1rc1's cleanup also forgets the request's delayed free
+    return _failed_load.make_build_meta(original, forget=("_loading_req_ids", "_delayed_free_req_ids"), finish=_keep_preempted)
 
 
-def _handle_invalid_ok(original) -> str | None:
-    problem = _expects(
-        ["self", "invalid_block_ids", "num_scheduled_tokens"],
-        needs=("_update_requests_with_invalid_blocks", "recompute_kv_load_failures"),
-    )(original)
-    if problem:
-        return problem
+def _keep_preempted(meta, preempted, _both) -> None:
+    """vllm-ascend 0.25.1rc1's metadata carries the preempted ids (when it has the field): all of them."""
+    if getattr(meta, "preempted_req_ids", None) is not None:
+        meta.preempted_req_ids = preempted
+
+
+def _preempts_discarding_frames(original) -> str | None:
+    """vLLM 0.25: the scheduler preempts (``_preempt_request``) and a request discards frames in
+    flight (``async_tokens_to_discard``)."""
     sched = importlib.import_module("vllm.v1.core.sched.scheduler")
     cls = original.__globals__.get("Scheduler", sched.Scheduler)
     for name in ("_preempt_request", "running", "kv_cache_manager"):
@@ -187,45 +148,40 @@ def _handle_invalid_ok(original) -> str | None:
             return f"Scheduler no longer has {name}"
     if "async_tokens_to_discard" not in _source(importlib.import_module("vllm.v1.request").Request):
         return "Request no longer has async_tokens_to_discard"
-    if not callable(getattr(importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager, "evict_blocks", None)):
-        return "KVCacheManager.evict_blocks is gone"
     return None
 
 
-
-
+def _handle_invalid_ok(original) -> str | None:
+    return _failed_load.handle_invalid_ok(original, _preempts_discarding_frames)
 
 
 SPECS = (
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_rollback",
         "vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks",
         make_handle_invalid,
-        _handle_invalid_ok,
-        fixed=upstream_preempts,
-        group=ROLLBACK_GROUP,
+        precondition=_handle_invalid_ok,
+        fixed_upstream=upstream_preempts,
         aliases=("vllm.v1.core.sched.scheduler:Scheduler.__base__._handle_invalid_blocks",),
         why="a hybrid request rolled back after a failed KV load is preempted (its blocks from the rollback "
         "point evicted from the prefix cache) instead of rewound in place",
         risk="a rolled-back hybrid request runs its GDN state in the null block; invalid blocks stay cached",
     ),
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_rollback_frames",
         "vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
         make_async_after_schedule,
-        _expects(["self", "scheduler_output"], needs=("num_output_placeholders",)),
-        fixed=upstream_preempts_any,
-        group=ROLLBACK_GROUP,
+        precondition=_expects(["self", "scheduler_output"], needs=("num_output_placeholders",)),
+        fixed_upstream=upstream_preempts_any,
         why="the rollback knows how many output frames of a failed request are still in flight",
         risk="under async scheduling a token computed on a failed load is delivered, or a good one dropped",
     ),
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_resume_meta",
         f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
         make_build_meta,
-        build_meta_expects("_delayed_free_req_ids"),
-        fixed=upstream_keeps_resumed,
-        group=ROLLBACK_GROUP,
+        precondition=build_meta_expects("_delayed_free_req_ids"),
+        fixed_upstream=upstream_keeps_resumed,
         why="a request preempted outside schedule() and resumed by the next one keeps its pool-scheduler state",
         risk="the pool scheduler raises on a request preempted after a failed load and resumed",
         after=("send_shedding",),  # mamba_lifetime's wrapper of this target is applied first
@@ -234,13 +190,12 @@ SPECS = (
     # modules, and production imports vLLM's async_scheduler before vllm-ascend's pool_scheduler (the
     # connector is built inside the scheduler); the other order changes what the harness's async run
     # computes (found here; see the closing note of issue 21's follow-up)
-    _spec(
+    ROLLBACK_GROUP.spec(
         "load_fail_no_reload",
         f"{STORE}.pool_scheduler:KVPoolScheduler.get_num_new_matched_tokens",
         make_no_reload,
-        _expects(["self", "request", "num_computed_tokens"], needs=("_get_layerwise_gva_hit_tokens",)),
-        fixed=upstream_preempts_any,
-        group=ROLLBACK_GROUP,
+        precondition=_expects(["self", "request", "num_computed_tokens"], needs=("_get_layerwise_gva_hit_tokens",)),
+        fixed_upstream=upstream_preempts_any,
         why="a request preempted after a failed pool load resumes from local hits and recomputes (never reloads)",
         risk="a store that keeps failing preempts the same request at every resume, for ever",
     ),

@@ -12,7 +12,7 @@ from ...host import logger
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
-from ._common import _POISONED, _TAINTED, DROPPED, SAVES_GROUP, _spec
+from ._common import _POISONED, _TAINTED, DROPPED, SAVES_GROUP
 
 
 def make_send_handle(original):
@@ -94,24 +94,22 @@ def _upstream_drops_later_saves(_original) -> str | None:
 
 
 SPECS = (
-    _spec(
+    SAVES_GROUP.spec(
         "load_fail_drop_saves",
         f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread._handle_request",
         make_send_handle,
-        _send_ok,
-        fixed=_upstream_drops_saves,
-        group=SAVES_GROUP,
+        precondition=_send_ok,
+        fixed_upstream=_upstream_drops_saves,
         why="the pool keys a request saves in a step whose layerwise load failed are finished as failed, never ready",
         risk="keys computed from unloaded state are published as ready: every later pool hit reads them",
         after=("mamba_thread_marker",),  # mamba_lifetime's wrapper of this target is applied first
     ),
-    _spec(
+    SAVES_GROUP.spec(
         "load_fail_drop_later_saves",
         f"{STORE}.pool_worker:KVPoolWorker.start_load_kv",
         make_start_load_kv,
-        _expects(["self", "metadata"], needs=("process_layer_data",)),
-        fixed=_upstream_drops_later_saves,
-        group=SAVES_GROUP,
+        precondition=_expects(["self", "metadata"], needs=("process_layer_data",)),
+        fixed_upstream=_upstream_drops_later_saves,
         why="a request whose load failed saves nothing until its rollback reaches the worker (async scheduling)",
         risk="keys computed from unloaded state in the step after the failure are published as ready",
         after=("mamba_worker_events",),  # mamba_lifetime's wrapper of this target is applied first

@@ -60,24 +60,14 @@ import importlib
 import os
 import threading
 
-from .._checks import PatchSpec
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
 from . import send_integrity as _integrity
 from . import send_shedding as _shedding
+from ._group import GROUP, RISK
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
-GROUP = "mamba_lifetime"
 ENV_HOLD_ATTENTION = "ASCEND_LAYERWISE_PATCH_MAMBA_HOLD_ATTENTION"
-
-RISK = (
-    "layerwise mamba block lifetime left to vllm-ascend: touched mamba blocks are never released "
-    "(the block pool leaks in layerwise mode)"
-)
 
 _PENDING = "_ascend_layerwise_patch_pending_events"  # worker: event ids not yet behind a marker
 _DONE = "_ascend_layerwise_patch_done_events"  # worker: _Done, filled by the sending thread
@@ -262,20 +252,12 @@ def _upstream_reports_layerwise(_original) -> str | None:
     return None
 
 
-def _spec(name: str, target: str, factory, precondition) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        group=GROUP,
-        target=f"{STORE}.{target}",
-        factory=factory,
-        why="layerwise sends hold the blocks they read (mamba and full attention) until the sending "
-        "thread is done with them, then release them",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=precondition,
-        risk=RISK,
-        fixed_upstream=_upstream_reports_layerwise,
-    )
+#: what this module's patches share (send_integrity's and send_shedding's have their own)
+_LIFETIME = dict(
+    why="layerwise sends hold the blocks they read (mamba and full attention) until the sending "
+    "thread is done with them, then release them",
+    fixed_upstream=_upstream_reports_layerwise,
+)
 
 
 _TASKS = ["self", "transfer_tasks"]
@@ -284,42 +266,48 @@ _TASKS = ["self", "transfer_tasks"]
 # resolve while pool_worker is still half-imported whenever pool_worker is the first one imported.
 
 SPECS = (
-    _spec(
+    GROUP.spec(
         "mamba_worker_events",
-        "pool_worker:KVPoolWorker.start_load_kv",
+        f"{STORE}.pool_worker:KVPoolWorker.start_load_kv",
         make_start_load_kv,
-        _expects(["self", "metadata"], needs=("use_layerwise", "current_layer")),
+        precondition=_expects(["self", "metadata"], needs=("use_layerwise", "current_layer")),
+        **_LIFETIME,
     ),
-    _spec(
+    GROUP.spec(
         "mamba_worker_release",
-        "pool_worker:KVPoolWorker.save_kv_layer",
+        f"{STORE}.pool_worker:KVPoolWorker.save_kv_layer",
         make_save_kv_layer,
-        _expects(
+        precondition=_expects(
             ["self", "connector_metadata"], needs=("current_layer", "num_layers", "kv_send_thread", "layer_save_tasks")
         ),
+        **_LIFETIME,
     ),
-    _spec(
+    GROUP.spec(
         "mamba_worker_report",
-        "pool_worker:KVPoolWorker.build_connector_worker_meta",
+        f"{STORE}.pool_worker:KVPoolWorker.build_connector_worker_meta",
         make_build_connector_worker_meta,
-        _expects(["self"], globals_=("AscendStoreKVConnectorWorkerMetadata",)),
+        precondition=_expects(["self"], globals_=("AscendStoreKVConnectorWorkerMetadata",)),
+        **_LIFETIME,
     ),
-    _spec(
+    GROUP.spec(
         "mamba_thread_marker",
-        "pool_worker:KVCacheStoreLayerSendingThread._handle_request",
+        f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread._handle_request",
         make_handle_request,
-        _expects(_TASKS, needs=("request_queue.task_done",)),
+        precondition=_expects(_TASKS, needs=("request_queue.task_done",)),
+        **_LIFETIME,
     ),
-    _spec(
+    GROUP.spec(
         "mamba_key_thread_marker",
-        "pool_worker:KVCacheStoreKeyLayerSendingThread._handle_request",
+        f"{STORE}.pool_worker:KVCacheStoreKeyLayerSendingThread._handle_request",
         make_handle_request,
-        _expects(_TASKS, needs=("request_queue.task_done",)),
+        precondition=_expects(_TASKS, needs=("request_queue.task_done",)),
+        **_LIFETIME,
     ),
-    _spec(
+    GROUP.spec(
         "mamba_scheduler_touch",
-        "pool_scheduler:KVPoolScheduler.touch_sending_mamba_blocks",
+        f"{STORE}.pool_scheduler:KVPoolScheduler.touch_sending_mamba_blocks",
         make_touch,
-        _scheduler_ok,
+        precondition=_scheduler_ok,
+        **_LIFETIME,
     ),
 )

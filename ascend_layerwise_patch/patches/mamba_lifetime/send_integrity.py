@@ -66,15 +66,11 @@ import weakref
 
 from ... import pool_events
 from ...host import logger
-from .._checks import PatchSpec, expects
+from .._checks import expects
 from .._targets import STORE
 from .._checks import source as _source
+from ._group import GROUP  # same group as the lifetime patch: one send path, all or nothing
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
-GROUP = "mamba_lifetime"  # same group as mamba_lifetime.py: one send path, all or nothing
 
 INCOMPLETE = -1  #: the write result a key with an unwritten slot is finished with (non-zero: failed)
 STUCK_AFTER_S = 10.0  #: save_kv_layer's own wait for the step's last layer
@@ -370,39 +366,30 @@ def _push_work_upstream(original) -> str | None:
 
 
 SPECS = (
-    PatchSpec(
-        name="send_integrity_copy",
-        group=GROUP,
-        target=f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread._batch_copy_with_limits",
-        factory=make_batch_copy,
+    GROUP.spec(
+        "send_integrity_copy",
+        f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread._batch_copy_with_limits",
+        make_batch_copy,
         why="a layerwise pool key is finished as written only when every layer slot was written",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_copy_ok,
         risk="pool keys with unwritten layers can be published as ready",
         fixed_upstream=_copy_fails_fast,
         counters=counters,
     ),
-    PatchSpec(
-        name="send_integrity_own_arrays",
-        group=GROUP,
-        target=f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread.build_shared_data",
-        factory=make_build_shared_data,
+    GROUP.spec(
+        "send_integrity_own_arrays",
+        f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread.build_shared_data",
+        make_build_shared_data,
         why="a queued layer send keeps its own block and GVA arrays when the next step builds its own",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         expects=expects(["self", "task"]),
         precondition=_shared_ok,
         risk="a send still queued after a save timeout copies the next step's blocks",
     ),
-    PatchSpec(
-        name="send_integrity_idle_steps",
-        group=GROUP,
-        target=f"{STORE}.ascend_store_connector:AscendStoreConnector.has_pending_push_work",
-        factory=make_has_pending_push_work,
+    GROUP.spec(
+        "send_integrity_idle_steps",
+        f"{STORE}.ascend_store_connector:AscendStoreConnector.has_pending_push_work",
+        make_has_pending_push_work,
         why="the engine keeps stepping (no model run) until open layerwise send events are reported",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         expects=expects(["self"]),
         precondition=_push_work_ok,
         risk="blocks held by layerwise sends stay pinned on an idle engine",

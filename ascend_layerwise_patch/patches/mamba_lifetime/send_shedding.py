@@ -61,13 +61,12 @@ import time
 
 from ... import pool_events
 from ...host import logger
-from .._checks import PatchSpec, expects
+from .._checks import expects
+from .._ranges import V025
 from .._targets import STORE
 from .._checks import source as _source
+from ._group import GROUP  # the events it bounds are the lifetime patch's: one send path, all or nothing
 
-VLLM = ">=0.25.0,<0.26"
-VLLM_ASCEND = ">=0.25.1,<0.26"  # 0.26.0rc1: its backlog ends in its own fatal assertion (see Versions)
-GROUP = "mamba_lifetime"  # the events it bounds are the lifetime patch's: one send path, all or nothing
 ENV_BACKLOG = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG"
 ENV_STEPS = "ASCEND_LAYERWISE_PATCH_SEND_BACKLOG_STEPS"
 DEFAULT_FRACTION = 0.25  #: of the block pool: block references open layerwise sends may hold
@@ -244,15 +243,13 @@ def _bounded_upstream(original) -> str | None:
 
 
 SPECS = (
-    PatchSpec(
-        name="send_shedding",
-        group=GROUP,
-        target=f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
-        factory=make_build_connector_meta,
+    GROUP.spec(
+        "send_shedding",
+        f"{STORE}.pool_scheduler:KVPoolScheduler.build_connector_meta",
+        make_build_connector_meta,
+        ranges=V025,  # 0.26.0rc1: its backlog ends in its own fatal assertion (see Versions)
         why="a layerwise store slower than the model sheds new saves once open sends hold the bound "
         "of the block pool, instead of pinning the pool",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         # build_connector_meta calls touch_sending_mamba_blocks before adding a request: the admission sits there
         expects=expects(["self", "scheduler_output"], needs=("touch_sending_mamba_blocks",)),
         precondition=_target_ok,

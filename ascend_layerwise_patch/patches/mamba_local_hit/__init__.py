@@ -40,11 +40,10 @@ from __future__ import annotations
 import functools
 import weakref
 
-from .._checks import PatchSpec, lookup
+from .._checks import Group, lookup
+from .._ranges import SUPPORTED
 from .._checks import param_names as _params
 
-VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
-VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
 COORDINATOR = "vllm_ascend.patch.platform.patch_kv_cache_coordinator:AscendHybridKVCacheCoordinator"
 POOL_SCHEDULER = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler:KVPoolScheduler"
 
@@ -147,26 +146,22 @@ def register_block_pool(original):
     return bind_gpu_block_pool
 
 
+GROUP = Group("mamba_local_hit", SUPPORTED)
+
 SPECS = (
-    PatchSpec(
-        name="mamba_local_hit",
-        group="mamba_local_hit",
-        target=f"{COORDINATOR}.find_longest_cache_hit_per_group",
-        factory=joint_hit_for_pool,
+    GROUP.spec(
+        "mamba_local_hit",
+        f"{COORDINATOR}.find_longest_cache_hit_per_group",
+        joint_hit_for_pool,
         why="a pool-serving instance's local prefix hit keeps its mamba state (joint hit over all groups)",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_coordinator_precondition,
         fixed_upstream=_coordinator_fixed,
     ),
-    PatchSpec(
-        name="mamba_local_hit_pool",
-        group="mamba_local_hit",
-        target=f"{POOL_SCHEDULER}.bind_gpu_block_pool",
-        factory=register_block_pool,
+    GROUP.spec(
+        "mamba_local_hit_pool",
+        f"{POOL_SCHEDULER}.bind_gpu_block_pool",
+        register_block_pool,
         why="marks the block pool whose connector is the AscendStore pool (it does not ship mamba state)",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_bind_precondition,
     ),
 )

@@ -53,13 +53,10 @@ import math
 
 from ... import pool_events
 from .._targets import STORE as POOL
-from .._checks import PatchSpec, expects, source
+from .._checks import Group, expects, source
+from .._ranges import ASCEND_026, V025, V025_026
 from .._checks import param_names as _params
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
 NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
 
 
@@ -295,36 +292,32 @@ def _loads_fixed(original) -> str | None:
     return None
 
 
+# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
+# sending thread); not declared for it: out of range there, see the README's version table
+GROUP = Group("mamba_pool_hit", V025_026)
+
 SPECS = (
-    PatchSpec(
-        name="mamba_pool_hit",
-        group="mamba_pool_hit",
-        target=f"{POOL}.pool_scheduler:KVPoolScheduler._get_layerwise_gva_hit_tokens",
-        factory=state_aligned_hit,
+    GROUP.spec(
+        "mamba_pool_hit",
+        f"{POOL}.pool_scheduler:KVPoolScheduler._get_layerwise_gva_hit_tokens",
+        state_aligned_hit,
         why="a hybrid pool hit ends at a block boundary below the prompt end where every mamba group holds a saved state",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_hit_precondition,
         fixed_upstream=_hit_fixed,
     ),
-    PatchSpec(
-        name="mamba_pool_no_null_keys",
-        group="mamba_pool_hit",
-        target=f"{POOL}.pool_worker:KVPoolWorker._alloc_gvas_for_save",
-        factory=no_null_mamba_keys,
+    GROUP.spec(
+        "mamba_pool_no_null_keys",
+        f"{POOL}.pool_worker:KVPoolWorker._alloc_gvas_for_save",
+        no_null_mamba_keys,
         why="a layerwise save never publishes a mamba group's null block under a real block-hash key",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_alloc_precondition,
     ),
-    PatchSpec(
-        name="mamba_pool_null_loads",
-        group="mamba_pool_hit",
-        target=f"{POOL}.pool_worker:KVPoolWorker._prepare_load_gvas",
-        factory=null_loads_present,
+    GROUP.spec(
+        "mamba_pool_null_loads",
+        f"{POOL}.pool_worker:KVPoolWorker._prepare_load_gvas",
+        null_loads_present,
+        ranges=ASCEND_026,  # vllm-ascend 0.25.1rc1 logs a missing key and loads nothing for it
         why="a layerwise load does not look up mamba null blocks (never published; 0.26 stops on a missing key)",
-        vllm=VLLM,
-        vllm_ascend=">=0.26.0,<0.27",  # vllm-ascend 0.25.1rc1 logs a missing key and loads nothing for it
         precondition=_loads_precondition,
         fixed_upstream=_loads_fixed,
     ),
@@ -336,21 +329,21 @@ SPECS = (
 #: of its range and copied each intermediate chunk-end mamba state that exists into the null block
 #: (load cost; the null block is shared). There the null blocks of a hit are neither looked up,
 #: leased nor loaded.
-RESUME_LOAD_GROUP = "mamba_pool_resume_load"
+RESUME_LOAD_GROUP = Group(
+    "mamba_pool_resume_load",
+    V025,  # 0.26.0rc1: mamba_pool_null_loads does the same
+    risk="every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
+)
 RESUME_LOAD_SPECS = (
-    PatchSpec(
-        name="mamba_pool_resume_load",
-        group=RESUME_LOAD_GROUP,
-        target=f"{POOL}.pool_worker:KVPoolWorker._prepare_load_gvas",
+    RESUME_LOAD_GROUP.spec(
+        "mamba_pool_resume_load",
+        f"{POOL}.pool_worker:KVPoolWorker._prepare_load_gvas",
         # mamba_pool_hit's 0.26 member, on 0.25.1rc1: the null mamba blocks of a hit are neither looked
         # up nor leased nor loaded (0.25.1rc1 looks up every block of the hit range, and every
         # intermediate chunk-end state that exists is copied into the null block)
-        factory=null_loads_present,
+        null_loads_present,
         why="a layerwise pool hit loads only the mamba state it resumes from, not every chunk-end state into the null block",
-        vllm=">=0.25.0,<0.26",
-        vllm_ascend=">=0.25.1,<0.26",  # 0.26.0rc1: mamba_pool_null_loads does the same
         precondition=_loads_precondition,
-        risk="every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
         fixed_upstream=_loads_fixed,
         after=("mamba_pool_null_loads",),  # its 0.26 twin (same factory); only one is in range on a pair
     ),

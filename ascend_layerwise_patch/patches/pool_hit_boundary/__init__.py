@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import functools
 
-from .._checks import Counts, PatchSpec, lookup, source
+from .._checks import Counts, Group, lookup, source
 from .._checks import param_names as _params
+from .._ranges import V029_030
 from .._targets import STORE
 
-VLLM = ">=0.29,<0.31"
-VLLM_ASCEND = ">=0.30,<0.31"
 POOL_SCHEDULER = f"{STORE}.pool_scheduler:KVPoolScheduler"
 #: the hit lookups ``get_num_new_matched_tokens`` dispatches to (each takes request, token_len, ...)
 LOOKUPS = ("_get_layerwise_hit_tokens", "_get_block_key_layerwise_hit_tokens", "_get_store_lookup_hit_tokens")
@@ -157,15 +156,14 @@ def boundary_hit(original):
 counters = _COUNTS.snapshot
 
 
+GROUP = Group("pool_hit_boundary", V029_030)
+
 SPECS = (
-    PatchSpec(
-        name="pool_hit_boundary",
-        group="pool_hit_boundary",
-        target=f"{POOL_SCHEDULER}.get_num_new_matched_tokens",
-        factory=boundary_hit,
+    GROUP.spec(
+        "pool_hit_boundary",
+        f"{POOL_SCHEDULER}.get_num_new_matched_tokens",
+        boundary_hit,
         why="a hybrid request whose whole prompt is in the pool resumes on a saved mamba-state boundary, not at prompt - 1",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_precondition,
         fixed_upstream=_fixed_upstream,
         counters=counters,

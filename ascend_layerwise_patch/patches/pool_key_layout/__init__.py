@@ -61,15 +61,11 @@ import inspect
 import os
 from types import SimpleNamespace
 
-from .._checks import PatchSpec
+from .._checks import Group
+from .._ranges import V025_026
 from .._targets import STORE
 from .._checks import expects, source
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
-GROUP = "pool_key_layout"
 FORMAT = 1
 ENV_MODEL_ID = "ASCEND_LAYERWISE_PATCH_POOL_MODEL_ID"
 ENV_GVA_MAX = "ASCEND_LAYERWISE_PATCH_GVA_CACHE_MAX"
@@ -252,41 +248,31 @@ def _process_ok(original) -> str | None:
     return None
 
 
-def _spec(name: str, target: str, factory, precondition, why: str) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        group=GROUP,
-        target=f"{STORE}.{target}",
-        factory=factory,
-        why=why,
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=precondition,
-        risk=RISK,
-        fixed_upstream=_fixed_upstream,
-    )
+# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
+# sending thread); not declared for it: out of range there, see the README's version table
+GROUP = Group("pool_key_layout", V025_026, risk=RISK, fixed_upstream=_fixed_upstream)
 
 
 SPECS = (
-    _spec(
+    GROUP.spec(
         "pool_layout_scheduler",
-        "pool_scheduler:KVPoolScheduler.__init__",
+        f"{STORE}.pool_scheduler:KVPoolScheduler.__init__",
         make_init,
-        _init_ok("_make_layerwise_gva_keys_for_hit_check"),
-        "layerwise pool keys (hit check) name format, checkpoint, TP size and stage; PP > 1 refused at start-up",
+        precondition=_init_ok("_make_layerwise_gva_keys_for_hit_check"),
+        why="layerwise pool keys (hit check) name format, checkpoint, TP size and stage; PP > 1 refused at start-up",
     ),
-    _spec(
+    GROUP.spec(
         "pool_layout_worker",
-        "pool_worker:KVPoolWorker.__init__",
+        f"{STORE}.pool_worker:KVPoolWorker.__init__",
         make_init,
-        _init_ok("_make_layerwise_gva_key"),
-        "layerwise pool keys (save, load) name format, checkpoint, TP size and stage; PP > 1 refused at start-up",
+        precondition=_init_ok("_make_layerwise_gva_key"),
+        why="layerwise pool keys (save, load) name format, checkpoint, TP size and stage; PP > 1 refused at start-up",
     ),
-    _spec(
+    GROUP.spec(
         "pool_gva_cache",
-        "pool_worker:KVPoolWorker.process_layer_data",
+        f"{STORE}.pool_worker:KVPoolWorker.process_layer_data",
         make_process_layer_data,
-        _process_ok,
-        "keys MemCache evicted or failed are saved again (0.26 checks itself), and the worker's GVA map stays bounded",
+        precondition=_process_ok,
+        why="keys MemCache evicted or failed are saved again (0.26 checks itself), and the worker's GVA map stays bounded",
     ),
 )

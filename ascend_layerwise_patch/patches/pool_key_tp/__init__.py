@@ -26,12 +26,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .._checks import PatchSpec
+from .._checks import Group
 from .._checks import param_names as _params
+from .._ranges import V029_030
 from .._targets import STORE
 
-VLLM = ">=0.29,<0.31"
-VLLM_ASCEND = ">=0.30,<0.31"
 BIND = f"{STORE}.backend.memcache_backend:bind_layerwise_keys"
 PARAMS = ["vllm_config", "kv_cache_config", "model_name", "use_hybrid", "grouped_block_size"]
 
@@ -94,15 +93,14 @@ def tp_named_keys(original):
     return bind_layerwise_keys
 
 
+GROUP = Group("pool_key_tp", V029_030)
+
 SPECS = (
-    PatchSpec(
-        name="pool_key_tp",
-        group="pool_key_tp",
-        target=BIND,
-        factory=tp_named_keys,
+    GROUP.spec(
+        "pool_key_tp",
+        BIND,
+        tp_named_keys,
         why="0.30's layerwise pool keys name the TP size: instances at another TP size (or 0.25/0.26 head-indexed keys) miss instead of loading another layout's GDN slice",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_precondition,
         fixed_upstream=_fixed_upstream,
         risk="instances of different TP sizes sharing a pool load each other's GDN slices",

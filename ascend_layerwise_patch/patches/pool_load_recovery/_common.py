@@ -1,13 +1,9 @@
-"""What the pool_load_recovery groups share: ranges, group names, marks, and how a spec is declared."""
+"""What the pool_load_recovery groups share: their declarations (names, ranges, risk) and marks."""
 
 from __future__ import annotations
 
-from .._checks import PatchSpec
-
-VLLM = ">=0.30,<0.31"  # vLLM 0.29's scheduler unpacks one KV cache group: a hybrid report raises there
-VLLM_ASCEND = ">=0.30,<0.31"
-GROUP = "pool_load_recovery"
-POLICY_GROUP = "pool_load_recovery_policy"  # the platform's config check: imported long before the rest
+from .._checks import Group
+from .._ranges import V030
 
 RISK = "a failed hybrid pool load ends the engine (every request with it)"
 
@@ -19,20 +15,8 @@ WHY = (
     "instead of ending the engine"
 )
 
+# V030: vLLM 0.29's scheduler unpacks one KV cache group: a hybrid report raises there
+GROUP = Group("pool_load_recovery", V030, risk=RISK, why=WHY)
 
-def spec(name: str, target: str, factory, precondition, fixed, *, group=GROUP, why=WHY, risk=RISK, context=False, after=(), counters=None):
-    return PatchSpec(
-        name=name,
-        group=group,
-        target=target,
-        factory=factory,
-        why=why,
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
-        precondition=precondition,
-        risk=risk,
-        fixed_upstream=fixed,
-        context=context,
-        after=after,
-        counters=counters,
-    )
+#: the platform's config check: imported long before the rest
+POLICY_GROUP = Group("pool_load_recovery_policy", V030, risk=RISK, why=WHY)

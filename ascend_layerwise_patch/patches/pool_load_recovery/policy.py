@@ -8,7 +8,7 @@ import functools
 
 from .._checks import param_names as _params
 from .._checks import source as _source
-from ._common import GROUP, POLICY_GROUP, spec
+from ._common import GROUP, POLICY_GROUP
 
 
 def make_policy_check(original, context):
@@ -43,13 +43,12 @@ def _upstream_allows_hybrid(original) -> str | None:
 
 
 SPECS = (
-    spec(
+    POLICY_GROUP.spec(
         "pool_load_policy",
         "vllm_ascend.platform:_validate_kv_load_failure_policy",
         make_policy_check,
-        _policy_ok,
-        _upstream_allows_hybrid,
-        group=POLICY_GROUP,
+        precondition=_policy_ok,
+        fixed_upstream=_upstream_allows_hybrid,
         context=True,
         why="vllm-ascend 0.30 accepts kv_load_failure_policy=recompute for hybrid models while pool_load_recovery "
         "rolls them back",

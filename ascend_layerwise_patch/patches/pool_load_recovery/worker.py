@@ -13,7 +13,7 @@ from .._checks import expects as _expects
 from .._checks import lookup as _lookup
 from .._checks import source as _source
 from .._targets import STORE
-from ._common import spec
+from ._common import GROUP
 
 WORKER = f"{STORE}.pool_worker:KVPoolWorker"
 #: what upstream raises for a hybrid request with a missing or unleasable key
@@ -355,42 +355,43 @@ def _upstream_reports_step(_original) -> str | None:
 
 
 SPECS = (
-    spec(
+    GROUP.spec(
         "pool_load_report_raise",
         f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread._batch_copy_with_limits",
         make_batch_copy,
-        _expects(["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"],
-                 needs=("batch_copy",)),
-        _upstream_reports_copies_any,
+        precondition=_expects(
+            ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"], needs=("batch_copy",)
+        ),
+        fixed_upstream=_upstream_reports_copies_any,
         why="a layerwise load copy that raises is a failed copy (reported), not the receiving thread's fatal error",
         after=("load_fail_copy", "pool_metrics_load_copy"),  # vllm-ascend <0.27 groups: never both in range
     ),
-    spec(
+    GROUP.spec(
         "pool_load_report_copy",
         f"{STORE}.kv_transfer:KVCacheStoreLayerRecvingThread._handle_request",
         make_recv_handle,
-        _recv_ok,
-        _upstream_reports_copies,
+        precondition=_recv_ok,
+        fixed_upstream=_upstream_reports_copies,
         why="a layerwise load copy that fails is reported for its requests (recompute or fail) instead of "
         "stopping the receiving thread (and the engine)",
     ),
-    spec(
+    GROUP.spec(
         "pool_load_report",
         f"{WORKER}._prepare_load_gvas",
         make_prepare_load,
-        _prepare_load_ok,
-        _upstream_reports,
+        precondition=_prepare_load_ok,
+        fixed_upstream=_upstream_reports,
         counters=counters,
         after=("mamba_pool_null_loads", "mamba_pool_resume_load"),  # mamba_pool_hit (vllm-ascend <0.26): never both in range
         why="a hybrid request whose pool key is evicted before its load is reported (every group's hit blocks) "
         "and loads and saves nothing, instead of raising out of execute_model",
     ),
-    spec(
+    GROUP.spec(
         "pool_load_report_step",
         f"{WORKER}.prepare_layerwise_step",
         make_prepare_step,
-        _expects(["self", "metadata"], needs=("process_layer_data",)),
-        _upstream_reports_step,
+        precondition=_expects(["self", "metadata"], needs=("process_layer_data",)),
+        fixed_upstream=_upstream_reports_step,
         why="a request whose pool load failed saves nothing until its preemption or end reaches the worker",
         risk="under async scheduling the step after a failed load saves keys computed on the unloaded state",
     ),

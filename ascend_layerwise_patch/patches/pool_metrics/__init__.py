@@ -38,14 +38,12 @@ from __future__ import annotations
 import functools
 
 from ... import pool_events
-from .._checks import PatchSpec
+from .._checks import Group
+from .._ranges import V025_026
 from .._checks import source as _source
 from .._targets import STORE
 from . import loads as _loads
 
-VLLM = ">=0.25.0,<0.27"
-VLLM_ASCEND = ">=0.25.1,<0.27"
-GROUP = "pool_metrics"
 CONNECTOR = f"{STORE}.ascend_store_connector:AscendStoreConnector"
 _LAST = "_ascend_layerwise_patch_gauges"  # scheduler half: the gauges last reported
 
@@ -169,37 +167,34 @@ def _classmethod_ok(params: list[str], caller: str, module: str):
     return check
 
 
-_RISK = "the pool's failures stay off /metrics and the KV-transfer log line"
 _RECV = f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread"
 _METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
 
-def _spec(**fields) -> PatchSpec:
-    """A spec of this group: its ranges and its risk."""
-    return PatchSpec(group=GROUP, vllm=VLLM, vllm_ascend=VLLM_ASCEND, risk=_RISK, **fields)
+GROUP = Group("pool_metrics", V025_026, risk="the pool's failures stay off /metrics and the KV-transfer log line")
 
 
 SPECS = (
-    _spec(
-        name="pool_metrics_stats",
-        target=f"{CONNECTOR}.get_kv_connector_stats",
-        factory=make_get_stats,
+    GROUP.spec(
+        "pool_metrics_stats",
+        f"{CONNECTOR}.get_kv_connector_stats",
+        make_get_stats,
         why="the pool's failure counts and send gauges travel as vLLM connector stats (all TP workers)",
         precondition=_get_stats_ok,
         fixed_upstream=_defines("get_kv_connector_stats"),
         counters=pool_events.pending,
     ),
-    _spec(
-        name="pool_metrics_log",
-        target=f"{CONNECTOR}.build_kv_connector_stats",
-        factory=make_build_stats,
+    GROUP.spec(
+        "pool_metrics_log",
+        f"{CONNECTOR}.build_kv_connector_stats",
+        make_build_stats,
         why="the same figures in vLLM's periodic KV-transfer log line",
         precondition=_classmethod_ok(["cls", "data"], "KVConnectorLogging", _METRICS),
         fixed_upstream=_defines("build_kv_connector_stats"),
     ),
-    _spec(
-        name="pool_metrics_prom",
-        target=f"{CONNECTOR}.build_prom_metrics",
-        factory=make_build_prom,
+    GROUP.spec(
+        "pool_metrics_prom",
+        f"{CONNECTOR}.build_prom_metrics",
+        make_build_prom,
         why="vllm:ascend_pool_* counters and gauges on vLLM's /metrics (PrometheusStatLogger)",
         precondition=_classmethod_ok(
             ["cls", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"], "KVConnectorProm", _METRICS
@@ -209,27 +204,27 @@ SPECS = (
     # worker (loads.py): the mamba state bytes a layer's successful load copy moved. The worker names
     # its mamba groups to its receiving thread; the thread's wrappers are stacked on load_failures'
     # (0.25; out of range on 0.26)
-    _spec(
-        name="pool_metrics_mamba_groups",
-        target=f"{STORE}.pool_worker:KVPoolWorker._build_shared_load_data",
-        factory=_loads.make_build_shared_load,
+    GROUP.spec(
+        "pool_metrics_mamba_groups",
+        f"{STORE}.pool_worker:KVPoolWorker._build_shared_load_data",
+        _loads.make_build_shared_load,
         why="the receiving thread learns which KV cache groups hold mamba (GDN) states",
         precondition=_loads.build_shared_ok,
         fixed_upstream=_defines("get_kv_connector_stats"),
     ),
-    _spec(
-        name="pool_metrics_mamba_loads",
-        target=f"{_RECV}._handle_request",
-        factory=_loads.make_recv_handle,
+    GROUP.spec(
+        "pool_metrics_mamba_loads",
+        f"{_RECV}._handle_request",
+        _loads.make_recv_handle,
         why="the mamba state bytes each layerwise load copies from the pool (vllm:ascend_pool_mamba_state_bytes_loaded)",
         precondition=_loads.handle_ok,
         fixed_upstream=_defines("get_kv_connector_stats"),
         after=("load_fail_thread",),
     ),
-    _spec(
-        name="pool_metrics_load_copy",
-        target=f"{_RECV}._batch_copy_with_limits",
-        factory=_loads.make_batch_copy,
+    GROUP.spec(
+        "pool_metrics_load_copy",
+        f"{_RECV}._batch_copy_with_limits",
+        _loads.make_batch_copy,
         why="those bytes are counted only when the layer's load copy returned success",
         precondition=_loads.copy_ok,
         fixed_upstream=_defines("get_kv_connector_stats"),

@@ -38,11 +38,9 @@ from __future__ import annotations
 import functools
 
 from ...kernels.postprocess import PARAMS  # plain data: the kernel module imports no triton
-from .._checks import PatchSpec
+from .._checks import Group
+from .._ranges import SUPPORTED
 
-VLLM = ">=0.25.0,<0.31,!=0.27.*,!=0.28.*"
-VLLM_ASCEND = ">=0.25.1,<0.31,!=0.27.*,!=0.28.*,!=0.29.*"
-GROUP = "postprocess_kernel"
 ASCEND_KERNEL = "vllm_ascend.ops.triton.mamba.postprocess:postprocess_mamba_fused_kernel"
 V2_CALLER = "vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_postprocess_align"
 
@@ -204,15 +202,14 @@ def v2_caller_factory(original):
     return run_fused_postprocess_align
 
 
+GROUP = Group("postprocess_kernel", SUPPORTED)
+
 SPECS = (
-    PatchSpec(
-        name="postprocess_kernel",
-        group=GROUP,
-        target=ASCEND_KERNEL,
-        factory=kernel_factory,
+    GROUP.spec(
+        "postprocess_kernel",
+        ASCEND_KERNEL,
+        kernel_factory,
         why="vLLM 0.25 launches postprocess_mamba_fused_kernel with 23 parameters; vllm-ascend's takes 17",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         aliases=(
             "vllm.v1.worker.mamba_utils:postprocess_mamba_fused_kernel",
             "vllm_ascend.patch.worker.patch_mamba_utils:postprocess_mamba_fused_kernel",
@@ -222,14 +219,11 @@ SPECS = (
         precondition=_old_kernel,
         fixed_upstream=_ascend_has_new_signature,
     ),
-    PatchSpec(
-        name="postprocess_v2_out_buffer",
-        group=GROUP,
-        target=V2_CALLER,
-        factory=v2_caller_factory,
+    GROUP.spec(
+        "postprocess_v2_out_buffer",
+        V2_CALLER,
+        v2_caller_factory,
         why="vLLM 0.25's V2 caller lets the kernel write num_accepted in place while other programs read it",
-        vllm=VLLM,
-        vllm_ascend=VLLM_ASCEND,
         precondition=_v2_caller_as_expected,
         fixed_upstream=_v2_caller_passes_out,
     ),

@@ -1,0 +1,147 @@
+"""The scheduler half of a failed pool load under ``recompute``, shared by vLLM 0.25's
+(``load_failures_rollback``) and vLLM 0.30's (``pool_load_recovery``): what the two releases do
+alike is here once; each group passes what its release needs differently, named at each parameter.
+
+A hybrid request vLLM rolled back in place after a failed load is preempted instead (its blocks
+evicted from the prefix cache first), marked so that it never loads from the pool again
+(:func:`make_no_reload`); vllm-ascend's pool scheduler, which would raise on a request preempted
+outside ``schedule()`` and resumed by the next one, keeps its state (:func:`make_build_meta`).
+Not a group: it declares no patch and imports no group package (group packages import it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+from collections.abc import Callable, Iterable
+
+from .. import pool_events
+from ..host import logger
+from ._checks import Counts, expects
+
+
+def handle_invalid_ok(original, release_problem: Callable[[object], str | None]) -> str | None:
+    """What both rollbacks need of vLLM's ``Scheduler._handle_invalid_blocks`` (its parameters, its
+    in-place rollback, the ``recompute`` switch) and of the prefix cache (``evict_blocks``); between
+    the two, ``release_problem(original)``: what the release's rewind and preemption must look like."""
+    problem = expects(
+        ["self", "invalid_block_ids", "num_scheduled_tokens"],
+        needs=("_update_requests_with_invalid_blocks", "recompute_kv_load_failures"),
+    )(original) or release_problem(original)
+    if problem:
+        return problem
+    if not callable(getattr(importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager, "evict_blocks", None)):
+        return "KVCacheManager.evict_blocks is gone"
+    return None
+
+
+def make_handle_invalid(
+    original,
+    *,
+    mark: str,
+    computed_before: Callable[[object, dict], int],
+    evicted: Callable[[object, list, dict, dict], set],
+    preempt: Callable[[object, object, float, dict], None],
+    message: str,
+    counts: Counts | None = None,
+):
+    """``Scheduler._handle_invalid_blocks`` after vLLM's own handling: under ``recompute``, every
+    multi-group request it rolled back in place (still running) is preempted instead, after the
+    blocks ``evicted`` names are evicted from the prefix cache; each is marked with ``mark``.
+
+    What differs by release:
+    ``computed_before(request, num_scheduled_tokens)``: the tokens a request had computed, read
+    before vLLM's rollback (``tokens_recomputed`` counts from there down to the rollback point).
+    ``evicted(scheduler, rolled, points, num_scheduled_tokens)``: the block ids to evict
+    (``points``: each request's rollback point, by id).
+    ``preempt(scheduler, request, now, num_scheduled_tokens)``: the preemption, the request already
+    out of ``running`` (and its in-flight output dropped).
+    ``message``: the WARNING, given the sorted request ids and the number of evicted blocks.
+    ``counts``: the group's live counts (``requests_rolled_back``, ``blocks_evicted``), if it keeps any.
+    """
+    status = importlib.import_module("vllm.v1.request").RequestStatus
+
+    @functools.wraps(original)
+    def _handle_invalid_blocks(self, invalid_block_ids, num_scheduled_tokens):
+        before = {r.request_id: computed_before(r, num_scheduled_tokens) for r in self.running}  # only called on a failed load
+        failed = original(self, invalid_block_ids, num_scheduled_tokens)
+        if not failed or not self.recompute_kv_load_failures or len(self.kv_cache_config.kv_cache_groups) <= 1:
+            return failed
+        rolled = [r for r in self.running if r.request_id in failed and r.status == status.RUNNING]
+        if not rolled:
+            return failed
+        points = {r.request_id: r.num_computed_tokens for r in rolled}  # where vLLM rolled each back to
+        evict = evicted(self, rolled, points, num_scheduled_tokens)
+        if evict:
+            self.kv_cache_manager.evict_blocks(evict)
+        now = time.monotonic()
+        for request in rolled:
+            request.__dict__[mark] = True  # recompute: the resume must not load the failed range again
+            self.running.remove(request)
+            preempt(self, request, now, num_scheduled_tokens)
+        ids = sorted(r.request_id for r in rolled)
+        if counts is not None:
+            counts.add("requests_rolled_back", len(rolled))
+            counts.add("blocks_evicted", len(evict))
+        pool_events.bump("requests_rolled_back", len(rolled))
+        pool_events.bump("tokens_recomputed", sum(before.get(r, 0) - points[r] for r in ids))
+        logger().warning(message, ids, len(evict))
+        return failed
+
+    return _handle_invalid_blocks
+
+
+def make_no_reload(original, *, mark: str, counts: Counts | None = None):
+    """``KVPoolScheduler.get_num_new_matched_tokens``: a request marked ``mark`` (preempted after a
+    failed pool load) resumes without asking the pool again -- it recomputes what it could not
+    load, as vLLM's in-place rollback does. Asking again would load the same keys: a store that
+    keeps failing would preempt it at every resume. ``counts``: ``reloads_refused``, if kept."""
+
+    @functools.wraps(original)
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.__dict__.get(mark):
+            if counts is not None:
+                counts.add("reloads_refused")
+            return 0, False
+        return original(self, request, num_computed_tokens)
+
+    return get_num_new_matched_tokens
+
+
+def make_build_meta(original, *, forget: Iterable[str], finish: Callable[[object, object, set], None]):
+    """``KVPoolScheduler.build_connector_meta``: vllm-ascend's pool scheduler handles
+    ``preempted_req_ids`` after ``schedule()`` already resumed the request
+    (``update_state_after_alloc``): it drops the entry the resume just made and then raises ("not in
+    _unfinished_requests") on the resumed request. vLLM resumes in the next ``schedule()`` a request
+    preempted outside it (the rollback above, ``reset_prefix_cache``), so it is both. For those the
+    preemption's cleanup runs here, before the original, keeping the resume's entry.
+
+    What differs by release:
+    ``forget``: the pool scheduler's sets of request ids its preemption cleanup discards the
+    request from (besides ``_preempted_req_ids``, which it joins, and ``_request_trackers``).
+    ``finish(meta, preempted, both)``: puts every preempted id back into the metadata for the
+    workers (``both``: those preempted and resumed in this step)."""
+    forget = tuple(forget)
+
+    @functools.wraps(original)
+    def build_connector_meta(self, scheduler_output):
+        preempted = scheduler_output.preempted_req_ids
+        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
+        both = {r for r in (preempted or ()) if r in resumed and r in self._unfinished_requests}
+        if not both:
+            return original(self, scheduler_output)
+        for req_id in both:  # upstream's cleanup of a preempted request, minus dropping the resumed entry
+            self._preempted_req_ids.add(req_id)
+            self._request_trackers.pop(req_id, None)
+            for name in forget:
+                getattr(self, name).discard(req_id)
+        scheduler_output.preempted_req_ids = type(preempted)(r for r in preempted if r not in both)
+        try:
+            meta = original(self, scheduler_output)
+        finally:
+            scheduler_output.preempted_req_ids = preempted
+        finish(meta, preempted, both)
+        return meta
+
+    return build_connector_meta
