@@ -205,24 +205,35 @@ def _tp_group(rank: int, tp: int, init_file: str, config):
 
 
 def _fresh_std_streams() -> None:
-    """New ``sys.stdout`` / ``sys.stderr`` objects over the same descriptors, for this process and the
-    logging handlers that wrote to the old ones: a thread of the engine's process may have been
-    inside a write to them when this process was forked, and a buffered stream's internal lock is
-    not reset by fork (a rank then hangs at its first log line)."""
+    """New ``sys.stdout`` / ``sys.stderr`` objects over the same descriptors, and a new stream for
+    every logging handler (``logging._handlerList`` holds them all, those wrapped inside another
+    handler too): a thread of the engine's process may have been inside a write to one of them when
+    this process was forked, and a buffered stream's internal lock is not reset by fork (a rank
+    then hangs at its first log line)."""
     import logging
     import sys
 
+    def fresh(fd: int):
+        return open(os.dup(fd), "w", buffering=1, encoding="utf-8", errors="replace", closefd=True)
+
     swap = {}
     for name, fd in (("stdout", 1), ("stderr", 2)):
-        new = open(os.dup(fd), "w", buffering=1, encoding="utf-8", errors="replace", closefd=True)
+        new = fresh(fd)
         for old in (getattr(sys, name), getattr(sys, f"__{name}__")):
             swap[id(old)] = new
         setattr(sys, name, new)
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in getattr(logger, "handlers", []):
-            stream = getattr(handler, "stream", None)
-            if stream is not None and id(stream) in swap:
-                handler.stream = swap[id(stream)]  # not setStream: it would flush the old stream
+    for ref in list(getattr(logging, "_handlerList", [])):
+        handler = ref()
+        stream = getattr(handler, "stream", None)
+        if stream is None:
+            continue
+        if id(stream) not in swap:
+            try:
+                fd = stream.fileno()
+            except Exception:  # no descriptor of its own (an in-memory capture): the process's stderr
+                fd = 2
+            swap[id(stream)] = fresh(fd)
+        handler.stream = swap[id(stream)]  # not setStream: it would flush the old stream
 
 
 def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
