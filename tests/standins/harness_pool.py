@@ -1109,6 +1109,20 @@ def _scale_save_wait(rank: _Rank) -> None:
         events[i] = scaled
 
 
+@_contextmanager
+def groups_skipped(*groups: str):
+    """Every target imported (:func:`_runtime`) and the library re-activated with ``groups`` skipped;
+    afterwards re-activated as this process's environment says (``support.activate_skipping``)."""
+    from support import activate_skipping
+
+    _runtime()
+    activate_skipping(*groups)
+    try:
+        yield
+    finally:
+        activate_skipping()
+
+
 def reference_outputs(requests: dict[str, list[int]], max_tokens: int = 1, **kwargs) -> dict[str, list[int]]:
     """The tokens a run without the pool samples for each prompt (the same stand-in model)."""
     inst = PoolInstance(None, name="reference", **kwargs)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import pytest
 
 from ascend_layerwise_patch.registry import APPLIED
-from support import PAIR, activate_skipping, group_states
+from support import PAIR, group_states
 
 PAIRS = ("v0300",)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
-from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, groups_skipped, make_pool, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -49,14 +49,8 @@ def _row(balance: bool):
 
 
 def _rows(skip: str | None) -> dict:
-    import harness_pool
-
-    harness_pool._runtime()
-    try:
-        activate_skipping(*([skip] if skip else []))
+    with groups_skipped(*filter(None, [skip])):
         return {balance: _row(balance) for balance in (True, False)}
-    finally:
-        activate_skipping()
 
 
 def test_mamba_local_hit_applies():

@@ -26,7 +26,7 @@ PAIRS = ("v0300",)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
-from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, groups_skipped, make_pool, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -73,14 +73,8 @@ def _row(name: str):
 
 
 def _rows(skip: str | None) -> dict:
-    import harness_pool
-
-    harness_pool._runtime()  # every target imported first
-    try:
-        activate_skipping(*([skip] if skip else []))
+    with groups_skipped(*filter(None, [skip])):
         return {name: _row(name) for name in SCENARIOS}
-    finally:
-        activate_skipping()
 
 
 def test_pool_hit_boundary_applies():

@@ -17,14 +17,14 @@ import pytest
 
 import ascend_layerwise_patch
 from ascend_layerwise_patch.registry import APPLIED
-from support import PAIR, activate_skipping, group_states
+from support import PAIR, group_states
 
 PAIRS = ("v0300",)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 import byte_store  # noqa: E402
-from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, groups_skipped, make_pool, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -47,14 +47,8 @@ def _row(reader_tp: int):
 
 
 def _rows(skip: str | None) -> dict:
-    import harness_pool
-
-    harness_pool._runtime()
-    try:
-        activate_skipping(*([skip] if skip else []))
+    with groups_skipped(*filter(None, [skip])):
         return {tp: _row(tp) for tp in (2, 4)}
-    finally:
-        activate_skipping()
 
 
 def test_pool_key_tp_applies():

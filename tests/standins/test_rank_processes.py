@@ -13,6 +13,7 @@ import time
 import types
 
 import pytest
+import torch
 
 from support import PAIR
 
@@ -56,7 +57,7 @@ def _corrupt_states(rank, req_id: str, layer_name: str) -> int:
     flipped = 0
     for block_id in st.block_ids[group]:
         if block_id:
-            view = conv[block_id].view(-1).view(__import__("torch").uint8)
+            view = conv[block_id].view(-1).view(torch.uint8)
             view[0] ^= 0xFF
             flipped += 1
     return flipped
