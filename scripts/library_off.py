@@ -35,9 +35,15 @@ def _outcomes(junit: Path) -> dict[str, str]:
     return out
 
 
+def _workers() -> list[str]:
+    """pytest-xdist's arguments, as scripts/matrix.sh runs the standins suites (ALP_PYTEST_WORKERS)."""
+    n = min(int(os.environ.get("ALP_PYTEST_WORKERS") or os.cpu_count() or 1), 4)
+    return ["-n", str(n), "--dist", "loadfile"] if n > 1 else []
+
+
 def _run(python: str, env: dict[str, str], junit: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", "tests/standins", *args],
+        [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", *_workers(), f"--junitxml={junit}", "tests/standins", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

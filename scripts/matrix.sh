@@ -24,10 +24,19 @@ failed=()
 logs=$(mktemp -d); trap 'rm -rf "$logs"' EXIT
 . scripts/suite_run.sh  # run NAME SUITE PAIR PYTHON ARGS...
 
+# The standins suites run on every core (pytest-xdist, one test module per worker: a module's
+# fixtures and its activation order stay in one process); each test is single-threaded and most of
+# their time is child interpreters importing vLLM, so one process keeps one core busy.
+# ALP_PYTEST_WORKERS=1 runs them in one process.
+workers=${ALP_PYTEST_WORKERS:-$(nproc)}
+[ "$workers" -gt 4 ] && workers=4
+par=(); [ "$workers" -gt 1 ] && par=(-n "$workers" --dist loadfile)
+echo "matrix: standins suites on $workers pytest worker(s)"
+
 run "unit" unit - "$root/base/bin/python" tests/unit
 run "ascend compile" ascend_compile - "$root/ascendc/bin/python" tests/ascend_compile
 for pair in "${pairs[@]}"; do
-  run "$pair standins" standins "$pair" "$root/$pair/bin/python" tests/standins
+  run "$pair standins" standins "$pair" "$root/$pair/bin/python" "${par[@]}" tests/standins
   run "$pair interp" interp "$pair" "$root/$pair/bin/python" tests/interp
 done
 

@@ -43,8 +43,18 @@ def current_pair() -> str | None:
 PAIR = current_pair()
 
 
+#: ``ASCEND_LAYERWISE_PATCH`` values that turn the library off (registry/switches.py; not imported:
+#: importing the package activates it)
+OFF_VALUES = {"0", "false", "no", "off"}
+
+
 def _child_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The child's environment: this one without the library's switches and ``VLLM_PLUGINS`` (each
+    test sets its own), except the whole-library off switch: a suite run with
+    ``ASCEND_LAYERWISE_PATCH=0`` (scripts/library_off.py) runs its children without the library too."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_LAYERWISE_PATCH", "VLLM_PLUGINS"))}
+    if os.environ.get("ASCEND_LAYERWISE_PATCH", "").strip().lower() in OFF_VALUES:
+        child_env["ASCEND_LAYERWISE_PATCH"] = os.environ["ASCEND_LAYERWISE_PATCH"]
     child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     child_env.update(env or {})
     return child_env

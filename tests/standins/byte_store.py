@@ -24,8 +24,9 @@ fault makes it slow (it succeeds after ``delay()`` seconds, or when its gate ope
 a fault to ranges of the key (``at(key, offset, blob size)``: e.g. one layer slot).
 
 Observers (``PoolService.observers``): called with every copy's ranges (key, offset, host address,
-size) once its faults let it run -- when it would read the host memory (harness_pool's
-``BlockOwners`` checks there which request owns each block a save copy reads).
+size) and the host whose addresses they are (``host.pid``: its process) once its faults let it
+run -- when it would read the host memory (harness_pool's ``BlockOwners`` checks there which
+request owns each block a save copy reads).
 
 Records, per key: every write (offset, size, time, ok), the finish (result, time), so tests can ask
 which layer slots were written before the key became ready (:meth:`PoolService.written_slots`).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import sys
 import threading
 import time
@@ -121,7 +123,7 @@ class PoolService:
         self.bytes = {L2G: 0, G2L: 0}
         self.key_bytes: dict[int, dict[str, int]] = {L2G: {}, G2L: {}}  # bytes copied per key and direction
         self.copy_log: list[tuple[int, tuple[str, ...], int]] = []  # (direction, keys, result)
-        #: ``observer(direction, [(key, offset, host addr, size)])`` for every copy, once its faults
+        #: ``observer(direction, [(key, offset, host addr, size)], host)`` for every copy, once its faults
         #: let it run (after a gate or delay, before an injected error or raise): what it touches
         self.observers: list[Callable] = []
         #: lease releases of a key that held no lease (a lease released early, for a reader still copying)
@@ -258,7 +260,7 @@ class PoolService:
             elif f.kind == "delay":  # a slow store: the copy succeeds after delay() s (or once the gate opens)
                 f.gate.wait(min(f.delay(), GATE_LIMIT_S))
         for observe in list(self.observers):
-            observe(direction, [(b.key, off, addr, size) for b, off, addr, size in targets])
+            observe(direction, [(b.key, off, addr, size) for b, off, addr, size in targets], host)
         kinds = {f.kind for f in faults}
         if "raise" in kinds:
             self._log(direction, keys, -2)
@@ -302,6 +304,7 @@ class LocalHost:
 
     def __init__(self, regions):
         self.regions = regions
+        self.pid = os.getpid()  # the process whose memory this is
 
     def outside(self, ranges) -> list[int]:
         """Indices of the (address, size) ranges not inside one registered region."""
@@ -326,6 +329,14 @@ class _RemoteHost(LocalHost):
 
     def __init__(self, conn):
         self.conn = conn
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """The client's process id (asked once)."""
+        if self._pid is None:
+            self._pid = self._ask("who", None)
+        return self._pid
 
     def _ask(self, op, payload):
         self.conn.send((op, payload))
@@ -364,7 +375,7 @@ class PoolServer:
             threading.Thread(target=self._serve, args=(conn,), name="byte-store-client", daemon=True).start()
 
     def _serve(self, conn) -> None:
-        svc = self.service
+        svc, host = self.service, _RemoteHost(conn)
         while True:
             try:
                 name, args = conn.recv()
@@ -372,7 +383,7 @@ class PoolServer:
                 return
             try:
                 if name == "batch_copy":
-                    reply = ("ok", svc.batch_copy(*args, host=_RemoteHost(conn)))
+                    reply = ("ok", svc.batch_copy(*args, host=host))
                 else:
                     reply = ("ok", getattr(svc, name)(*args))
             except Exception as exc:  # the client raises it (an injected "raise" fault, ...)
@@ -429,6 +440,8 @@ class RemoteService:
                 conn.send(self._host.outside(payload))
             elif kind == "read":
                 conn.send(self._host.read(payload))
+            elif kind == "who":
+                conn.send(os.getpid())
             else:  # write
                 conn.send(self._host.write(payload))
 

@@ -1085,6 +1085,16 @@ class PoolInstance:
         per_rank = self.on_ranks(_contents, req_id, list(layers), block_index)
         return {(r, name): value for r, values in enumerate(per_rank) for name, value in zip(layers, values)}
 
+    def rank_records(self) -> list:
+        """The WARNING (and above) records vLLM's logger got in the rank processes, as
+        ``logging.LogRecord`` s with a ``rank`` attribute; [] when the ranks live in this process
+        (their records went to this process's handlers, e.g. the ``vllm_log`` fixture)."""
+        import logging
+
+        if self.procs is None:
+            return []
+        return [logging.makeLogRecord(d) for per_rank in self.procs.call(rank_procs.log_records) for d in per_rank]
+
     def close(self) -> None:
         """Ends the rank processes (nothing to do when the ranks live in this process)."""
         if self.procs is not None:
@@ -1484,6 +1494,14 @@ class BadRead:
     group: int
 
 
+def _cache_regions(rank: _Rank, num_blocks: int) -> tuple[int, list[tuple[int, int, int]]]:
+    return _os.getpid(), [(raw.data_ptr(), raw.numel(), raw.numel() // num_blocks) for raw in rank._raw]
+
+
+def _send_backlog(rank: _Rank) -> int:
+    return rank.connector.connector_worker.kv_send_thread.request_queue.qsize()
+
+
 class BlockOwners:
     """Use-after-free detector for layerwise sends on one :class:`PoolInstance` with a pool.
 
@@ -1515,9 +1533,11 @@ class BlockOwners:
         self.reads = 0
         self.allocs_while_stuck = 0
         self.lock = threading.Lock()
-        nb = inst.kv_cache_config.num_blocks
-        #: (start, size, page) of every rank's cache tensors: a host address names its block
-        self.regions = [(raw.data_ptr(), raw.numel(), raw.numel() // nb) for rank in _ranks_here(inst, "BlockOwners") for raw in rank._raw]
+        #: process id -> (start, size, page) of its ranks' cache tensors: a host address of that
+        #: process names its block (the ranks as processes have addresses of their own)
+        self.regions: dict[int, list[tuple[int, int, int]]] = {}
+        for pid, regions in inst.on_ranks(_cache_regions, inst.kv_cache_config.num_blocks):
+            self.regions.setdefault(pid, []).extend(regions)
         for g, single in enumerate(manager.coordinator.single_type_managers):
             self._wrap(g, single)
         add = inst.add_request
@@ -1555,19 +1575,19 @@ class BlockOwners:
                     self._hash_owner.setdefault(h.hex(), rid)
         return self._hash_owner.get(block_hash_hex)
 
-    def block_of(self, addr: int) -> int | None:
-        for start, size, page in self.regions:
+    def block_of(self, addr: int, pid: int) -> int | None:
+        for start, size, page in self.regions.get(pid, ()):
             if start <= addr < start + size:
                 return (addr - start) // page
         return None
 
-    def _observe(self, direction: int, targets) -> None:
+    def _observe(self, direction: int, targets, host) -> None:
         if direction != byte_store.L2G:
             return
         with self.lock:
             for key, _off, addr, _size in targets:
                 _model, group, block_hash, *_ = key.split("@")
-                reader, block_id = self.owner(block_hash), self.block_of(addr)
+                reader, block_id = self.owner(block_hash), self.block_of(addr, host.pid)
                 if reader is None or not block_id:  # not a request's key, another instance's range, the null block
                     continue
                 self.reads += 1
@@ -1713,8 +1733,7 @@ class Lifetime:
         if not self.cs.sending_events:  # every send reported (the library keeps the loop going until then)
             return
         deadline = time.monotonic() + GATE_LIMIT_S
-        threads = [r.connector.connector_worker.kv_send_thread for r in self.inst.ranks]
-        while any(t.request_queue.qsize() for t in threads) and time.monotonic() < deadline:
+        while any(self.inst.on_ranks(_send_backlog)) and time.monotonic() < deadline:
             time.sleep(0.005)
         time.sleep(0.02)  # the copy a thread took off its queue
         engine_loop(self.inst, max_steps=max_steps)
@@ -1777,7 +1796,6 @@ def make_lifetime(*, tp: int = 1, num_blocks: int = 16, chunk: int = 8, seed_ski
         long_prefill_token_threshold=chunk,
         # as long as the cache allows (vLLM checks it); 128 as test_send_pool's instances (one model config)
         max_model_len=24 if num_blocks < 10 else 28 if num_blocks < 48 else 128,
-        processes=False,  # BlockOwners reads every rank's cache memory from this process
     )
     inst.scale_save_wait()
     return Lifetime(inst, seed_skip_touch=seed_skip_touch)

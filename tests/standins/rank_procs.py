@@ -41,6 +41,9 @@ REPLY_LIMIT_S = 60.0
 
 #: set in a rank process (for the harness's own self-test: module state is per process)
 MARK: str | None = None
+#: the records of vLLM's logger (and its children: the library logs as ``vllm.ascend_layerwise_patch``)
+#: this rank process logged, as plain dicts (see :func:`log_records`)
+RECORDS: list[dict] = []
 
 
 class RankFailure(AssertionError):
@@ -250,6 +253,7 @@ def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
         if address is not None:  # this process reaches the pool as a MemCache client does
             inst.pool = byte_store.RemoteService(address)
             byte_store.install(inst.pool)
+        _capture_log(r)
         group = _tp_group(r, inst.tp, init_file, inst.configs[r])
         rank = make_rank(inst, r)
         rank.group = group
@@ -280,7 +284,25 @@ def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
+def _capture_log(r: int) -> None:
+    """Keep every record vLLM's logger gets in this rank process (WARNING and above): the worker
+    halves' warnings, which a test reads through :func:`log_records` as it reads the engine's own."""
+    import logging
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            RECORDS.append({"name": record.name, "levelname": record.levelname, "levelno": record.levelno,
+                            "msg": record.getMessage(), "rank": r})
+
+    logging.getLogger("vllm").addHandler(_Keep(logging.WARNING))
+
+
 # ------------------------------------------------------------------ functions to call in ranks
+def log_records(rank) -> list[dict]:
+    """What :func:`_capture_log` kept in this rank process so far."""
+    return list(RECORDS)
+
+
 def set_mark(rank, value: str) -> int:
     global MARK
     MARK = value

@@ -100,10 +100,14 @@ def probes():
 )
 
 
-def on(release: Release, *values, pairs=None, name: str = ""):
-    """One parameter set of a scenario: ``release`` (and ``values``) on ``pairs`` (default: the release's)."""
-    marks = pytest.mark.pairs(*(pairs or release.pairs))
+def on(release: Release, *values, pairs=None, name: str = "", control: str = ""):
+    """One parameter set of a scenario: ``release`` (and ``values``) on ``pairs`` (default: the
+    release's); ``control``: why it passes with the library off too (``@pytest.mark.control``)."""
+    marks = [pytest.mark.pairs(*(pairs or release.pairs))] + ([pytest.mark.control(control)] if control else [])
     return pytest.param(release, *values, marks=marks, id="-".join(filter(None, (release.name, name))))
+
+
+LEFT_OUT = "the plugin left out of VLLM_PLUGINS: the child patches nothing, as without the library"
 
 
 #: the probes, then the states: what both orders of activation report
@@ -121,6 +125,7 @@ def result(proc) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+@pytest.mark.control("the import's own cost: importing the package loads nothing heavy, whether it then activates or not")
 def test_import_is_cheap_and_imports_no_heavy_module():
     proc = run_python(
         """
@@ -273,9 +278,9 @@ if __name__ == "__main__":
     [
         on(BASE, None, True, name="all-plugins"),
         on(BASE, "ascend,ascend_layerwise_patch,ascend_kv_connector", True, name="listed"),
-        on(BASE, "ascend,ascend_kv_connector", False, name="left-out"),
+        on(BASE, "ascend,ascend_kv_connector", False, name="left-out", control=LEFT_OUT),
         on(V030, None, True, name="all-plugins"),
-        on(V030, "ascend,ascend_kv_connector", False, name="left-out"),
+        on(V030, "ascend,ascend_kv_connector", False, name="left-out", control=LEFT_OUT),
     ],
 )
 def test_spawned_child_gets_patches_through_vllm_plugins(release, plugins, patched):

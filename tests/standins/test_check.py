@@ -31,6 +31,7 @@ SUMMARY = "ascend_layerwise_patch [vllm "
 
 
 @pytest.mark.pairs(*ALL_PAIRS)
+@pytest.mark.control("check's refusal before any patch is tried: no NPU runtime")
 def test_check_without_the_npu_runtime_fails_in_one_line():
     """Point 1: no torch_npu and no --cpu is no check at all; a CI gate must not pass on it."""
     proc = run_cli("check")
@@ -43,6 +44,7 @@ def test_check_without_the_npu_runtime_fails_in_one_line():
 
 
 @pytest.mark.pairs(*ALL_PAIRS)
+@pytest.mark.control("check's refusal of a bad switch, before any patch is tried")
 def test_check_names_an_unknown_skip_entry_and_the_valid_names():
     """Point 3: a typo in ASCEND_LAYERWISE_PATCH_SKIP must not leave the patch it meant silently on."""
     proc = run_cli("check", "--cpu", env={"ASCEND_LAYERWISE_PATCH_SKIP": "guard_wiat,gdn_layerwise"})

@@ -123,6 +123,7 @@ def ordered(layers):
     return [e for layer in layers for e in (("wait", layer.prefix), ("fence", ""), ("compute", layer.prefix), ("save", ""))]
 
 
+@pytest.mark.control("the library reverted inside the test: the 310P defect and the main layer's upstream fix, as released")
 @pytest.mark.parametrize("kind", ["310p", "main"])
 def test_library_off_310p_layers_read_state_before_their_load(stack, kind):
     alp.revert()
@@ -137,7 +138,9 @@ def test_library_off_310p_layers_read_state_before_their_load(stack, kind):
         assert wrong_reads(log, layers) == 0 and log == ordered(layers), log
 
 
-@pytest.mark.parametrize("kind", ["310p", "main"])
+@pytest.mark.parametrize(
+    "kind", ["310p", pytest.param("main", marks=pytest.mark.control("0.30's main GDN layer is fixed upstream (gdn_layerwise skipped there)"))]
+)
 def test_library_on_every_gdn_layer_waits_fences_computes_saves(stack, kind):
     log, layers = stack(kind)
     assert wrong_reads(log, layers) == 0 and log == ordered(layers), log

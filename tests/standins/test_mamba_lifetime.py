@@ -104,9 +104,11 @@ def _race(h: Lifetime) -> None:
 
 
 @pytest.mark.pairs(*SAVE_TIMES_OUT)
-def test_seed_race_detected(unpatched):
-    """The seed change (no touch in layerwise mode): a's blocks go to b while a's send reads them."""
-    h = make_lifetime(tp=1, num_blocks=RACE_BLOCKS, seed_skip_touch=True)
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-processes"])
+def test_seed_race_detected(unpatched, tp):
+    """The seed change (no touch in layerwise mode): a's blocks go to b while a's send reads them
+    (at TP 2 each rank is a process: its copies read its own memory, BlockOwners maps them by pid)."""
+    h = make_lifetime(tp=tp, num_blocks=RACE_BLOCKS, seed_skip_touch=True)
     try:
         _race(h)
     finally:
@@ -139,8 +141,9 @@ def test_save_waits_for_a_slow_send(unpatched):
 
 
 @pytest.mark.pairs(*SAVE_TIMES_OUT)
-def test_patched_race_is_safe(patched):
-    h = make_lifetime(tp=1, num_blocks=RACE_BLOCKS)
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-processes"])
+def test_patched_race_is_safe(patched, tp):
+    h = make_lifetime(tp=tp, num_blocks=RACE_BLOCKS)
     try:
         _race(h)
     finally:

@@ -99,6 +99,7 @@ def test_reported_hybrid_load_failure_under_recompute_with_the_library_preempts(
     assert b.null_writes == [] and b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
 
 
+@pytest.mark.control("the library reverted inside the test: upstream's own behaviour, the same without the library")
 def test_hit_cache_is_off_the_hybrid_path_and_an_eviction_before_the_load_raises(library_off):
     pool = _filled_pool()
     b = PoolInstance(pool, name="B")
@@ -115,6 +116,7 @@ def test_hit_cache_is_off_the_hybrid_path_and_an_eviction_before_the_load_raises
     assert not b.reads_of("b") and not b.reads_of("b", kind="attn")  # nothing computed on what was missing
 
 
+@pytest.mark.control("the library reverted inside the test: upstream's own behaviour, the same without the library")
 @pytest.mark.parametrize("which", ["gdn", "attn"])
 def test_eviction_of_one_group_s_keys_stops_the_engine_too(library_off, which):
     pool = _filled_pool()
@@ -127,6 +129,7 @@ def test_eviction_of_one_group_s_keys_stops_the_engine_too(library_off, which):
     assert evicted and not b.reads_of("b") and not b.reads_of("b", kind="attn")
 
 
+@pytest.mark.control("the library reverted inside the test: upstream's own behaviour, the same without the library")
 @pytest.mark.parametrize("kind", ["error", "raise"])  # the copy returns an error / raises
 def test_a_failed_load_copy_stops_the_engine_too(library_off, monkeypatch, kind):
     monkeypatch.setattr(harness_pool, "LOAD_WAIT_SCALE", 0.01)  # the layer's 10 s wait before it looks: 0.1 s
@@ -190,6 +193,7 @@ def _reported(policy: str):
     return b, reqs, seen
 
 
+@pytest.mark.control("the library reverted inside the test: upstream's own behaviour, the same without the library")
 def test_reported_hybrid_load_failure_under_fail_ends_the_requests(library_off):
     b, reqs, seen = _reported("fail")
     assert all(r.status == RequestStatus.FINISHED_ERROR and not r.output_token_ids for r in reqs)
@@ -197,6 +201,7 @@ def test_reported_hybrid_load_failure_under_fail_ends_the_requests(library_off):
     assert b.null_writes == [] and b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
 
 
+@pytest.mark.control("the library reverted inside the test: upstream's own behaviour, the same without the library")
 def test_reported_hybrid_load_failure_under_recompute_rolls_back_in_place(library_off, reference):
     b, reqs, seen = _reported("recompute")
     gdn = b.group_of[b.gdn_layers[0]]

@@ -96,6 +96,7 @@ def test_whole_prompt_hit_resumes_on_a_saved_state():
     assert off["pool_hit_plus_5"] == on["pool_hit_plus_5"] == (0, 2, [32], 0)
 
 
+@pytest.mark.control("the library reverted inside the test: upstream's own behaviour, the same without the library (the defect: wrong states read)")
 def test_library_off_reads_wrong_states():
     """The whole library off (every group reverted): the same 2 wrong reads and a wrong token."""
     import harness_pool
@@ -112,6 +113,7 @@ def test_library_off_reads_wrong_states():
     assert row == (2, 2, [31], 1)
 
 
+@pytest.mark.control("the fix detector run on upstream's own code")
 def test_detector_probe_lands_where_the_method_lands():
     """The fixed-upstream detector calls the real method on a probe scheduler: 0.30.0rc2 lands a
     whole-prompt hit at 31 (not fixed); the patched method at 16 (the boundary below the prompt)."""

@@ -64,6 +64,7 @@ def test_a_pool_written_at_another_tp_size_is_not_read():
     assert off[4][0] == on[4][0] == 0 and on[4][2] > 0 and off[4][3] == on[4][3] == 0  # same TP size: still hit, read right
 
 
+@pytest.mark.control("the fix detector run on upstream's own code")
 def test_detector_sees_no_tp_size_in_upstream_keys():
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import memcache_backend
 

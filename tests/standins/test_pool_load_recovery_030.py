@@ -220,7 +220,6 @@ def test_a_failed_request_releases_no_lease_another_request_of_the_step_holds(re
         assert pool.over_releases == []
 
 
-@pytest.mark.control("pins vllm-ascend's own stop, which the library keeps there: the same without it")
 def test_async_scheduling_across_ranks_keeps_upstreams_stop():
     """TP 2 with async scheduling: the step in flight when rank 1's load fails saves on rank 0 too, and
     rank 0 cannot know (its layers computed on rank 1's unloaded state through the all-reduce): the

@@ -121,6 +121,16 @@ def _worker_counts(inst: PoolInstance) -> dict[str, int]:
     return total
 
 
+def _rank_integrity(rank) -> tuple[dict[str, int], bool]:
+    """In a rank's process: its send_integrity counters, and whether a send of it is open now."""
+    return send_integrity.counters(), any(ledger.since for ledger in list(send_integrity._ledgers))
+
+
+def _stuck_total(inst: PoolInstance) -> int:
+    """Stuck sends counted so far, over every rank (each counts its own sending thread's)."""
+    return sum(counts["stuck_sends_total"] for counts, _open in inst.on_ranks(_rank_integrity))
+
+
 def _fill(pool) -> None:
     a = PoolInstance(pool, name="A", tp=2)
     a.add_request("a", PROMPT, max_tokens=1)
@@ -245,19 +255,18 @@ def test_a_hung_send_is_counted_and_its_held_blocks_shown(library, monkeypatch):
     monkeypatch.setattr(send_integrity, "STUCK_AFTER_S", 10.0 * TIME_SCALE)
     monkeypatch.setattr(send_integrity, "STUCK_REPEAT_S", 60.0)
     pool = make_pool()
-    # the ranks in this process: the test reads send_integrity's counters of the ranks' sending threads
-    inst = PoolInstance(pool, name="A", tp=2, processes=False)
+    inst = PoolInstance(pool, name="A", tp=2)  # a process per rank: each counts its own sends
     inst.scale_save_wait()
     tap = StatsTap(inst)
     f = pool.add_fault("gate", direction=L2G, times=1, match=lambda k: k.endswith("@1"))
-    total0 = send_integrity.counters()["stuck_sends_total"]
+    total0 = _stuck_total(inst)
     seen: list[dict] = []
 
     stuck_at: list[int] = []
 
     def watch(i, _so):
         seen.append(_figures(tap, i))
-        if send_integrity.counters()["stuck_sends_total"] > total0 and not stuck_at:
+        if not stuck_at and _stuck_total(i) > total0:
             stuck_at.append(i.steps)
         if (stuck_at and i.steps >= stuck_at[0] + 3) or i.steps > 200:  # 3 more steps stuck, then it returns
             f.gate.set()
@@ -265,7 +274,7 @@ def test_a_hung_send_is_counted_and_its_held_blocks_shown(library, monkeypatch):
     inst.add_request("a", PROMPT, max_tokens=2)
     engine_loop(inst, on_step=watch)
     got = _figures(tap, inst)
-    assert f.hits == 1 and send_integrity.counters()["stuck_sends_total"] == total0 + 1
+    assert f.hits == 1 and _stuck_total(inst) == total0 + 1
     # ... every block given back, the stuck-send age back to 0 at the end; no hit: no mamba bytes
     assert got == ZERO | {"stuck_sends": 1.0}
     ages = [s[AGE] for s in seen]
@@ -289,28 +298,27 @@ def test_slow_sends_shed_saves_as_counted_by_the_bound(library, monkeypatch):
     monkeypatch.setattr(send_integrity, "STUCK_AFTER_S", 0.12)
     monkeypatch.setattr(send_shedding, "_warned", {"at": None, "since": 0})
     shed0 = send_shedding.counters()["shed_saves"]
-    stuck0 = send_integrity.counters()["stuck_sends_total"]
     pool = make_pool()
-    # the ranks in this process: the test reads the shedding bound's and the send ledgers' own state
-    inst = PoolInstance(pool, max_model_len=512, num_blocks=120, max_num_seqs=8, tp=2, processes=False)
+    # a process per rank: the shedding bound is the scheduler's (this process), the send ledgers each rank's
+    inst = PoolInstance(pool, max_model_len=512, num_blocks=120, max_num_seqs=8, tp=2)
+    stuck0 = _stuck_total(inst)
     inst.scale_save_wait()
     tap = StatsTap(inst)
     fault = slow_store(pool, seed=0)
     soak(inst, seed=0, deadline_s=30.0, on_finished=lambda _i: fault.gate.set(), requests=12, prompt=(20, 200), output=(1, 3))
     assert not inst.has_work()
     # the loop may stop with a shed save's copy still in flight (no open event keeps it stepping), or
-    # in the step where a stuck copy returned (the TP ranks share one process here: one rank's take
-    # saw it live, the next one its 0, and vLLM aggregates gauges by max): the age gauge, like every
-    # vLLM stats figure, moves on engine steps. Once the copies returned, one more request's steps
+    # in the step where a stuck copy returned (one rank's take saw it live, and vLLM aggregates
+    # gauges by max over the ranks): the age gauge, like every vLLM stats figure, moves on engine steps. Once the copies returned, one more request's steps
     # report it as 0.
     deadline = time.monotonic() + 10.0
-    while any(ledger.since for ledger in list(send_integrity._ledgers)) and time.monotonic() < deadline:
+    while any(open_ for _counts, open_ in inst.on_ranks(_rank_integrity)) and time.monotonic() < deadline:
         time.sleep(0.01)
     inst.add_request("after", list(range(9000, 9005)), max_tokens=1)
     engine_loop(inst)
     got = _figures(tap, inst)
     shed = send_shedding.counters()["shed_saves"] - shed0
-    stuck = send_integrity.counters()["stuck_sends_total"] - stuck0
+    stuck = _stuck_total(inst) - stuck0
     assert shed > 0
     got[MAMBA] = 0.0  # whatever the soak's own pool hits loaded: not this test's figure
     assert got == ZERO | {"saves_shed": float(shed), "stuck_sends": float(stuck)}  # stuck-send age 0 at the end

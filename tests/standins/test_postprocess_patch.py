@@ -145,6 +145,7 @@ def test_detectors_on_the_real_objects():
     assert pk._old_kernel(pk.shared_kernel()) is not None
 
 
+@pytest.mark.control("the import's own cost, whether the library activates or not")
 def test_importing_the_patch_module_is_light():
     proc = run_python(
         "import sys\nimport ascend_layerwise_patch.patches.postprocess_kernel as pk\n"

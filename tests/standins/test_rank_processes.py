@@ -24,7 +24,7 @@ if PAIR not in PAIRS:
 import rank_procs  # noqa: E402
 from harness_pool import PoolInstance, engine_loop, make_pool, next_token  # noqa: E402
 
-pytestmark = pytest.mark.pairs(*PAIRS)
+pytestmark = [pytest.mark.pairs(*PAIRS), pytest.mark.control("the harness's own self-test: no patch involved")]
 
 PROMPT = list(range(2000, 2040))  # 40 tokens
 

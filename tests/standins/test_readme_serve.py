@@ -19,6 +19,7 @@ def serve_line() -> str:
     return lines[0]
 
 
+@pytest.mark.control("the README's config read by vLLM's own parser: no patch involved")
 def test_readme_kv_transfer_config_builds_vllms_config():
     from vllm.config import KVTransferConfig
 
@@ -38,6 +39,7 @@ def _literals(tp) -> set:
     return {tp} if isinstance(tp, str) else set().union(*map(_literals, args)) if args else set()
 
 
+@pytest.mark.control("the README's config read by vLLM's own parser: no patch involved")
 def test_readme_speculative_config_names_vllms_mtp_method():
     """Issue 36 / 33: the seed's MTP config, with a method this pair's vLLM knows (model-independent
     fields only: the draft model is read from the checkpoint at start-up)."""
@@ -99,6 +101,7 @@ def test_readme_serve_line_parses_and_names_what_vllm_ascend_has():
     assert "ascend_layerwise_patch" in plugins and "ascend" in plugins and set(plugins) <= known, (plugins, known)
 
 
+@pytest.mark.control("the README's commands keep check's refusal without the NPU runtime, before any patch is tried")
 def test_readme_check_blocks_keep_checks_exit_code_on_this_pair(tmp_path):
     """Issue 36: step 3's blocks, run as they stand with this pair's console script (no torch_npu
     here, so `check` refuses with 3): each exits 3 too, and the JSON one-liner prints the refusal

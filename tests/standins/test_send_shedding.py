@@ -83,9 +83,9 @@ def shedding_off(monkeypatch):
 def _instance(scenario: str, seed: int):
     inst_kw, soak_kw, slow_kw = SCENARIOS[scenario]
     pool = make_pool()
-    # the ranks in this process: the tests read the shedding bound's counters and WARNING records
-    # where the ranks' sending threads write them
-    inst = PoolInstance(pool, max_model_len=512, processes=False, **inst_kw)
+    # at TP > 1 one process per rank: the shedding bound is the scheduler's (this process); the ranks'
+    # sending threads' warnings come back through inst.rank_records()
+    inst = PoolInstance(pool, max_model_len=512, **inst_kw)
     inst.scale_save_wait()
     return pool, inst, soak_kw, slow_store(pool, seed=seed, **slow_kw)
 
@@ -140,7 +140,8 @@ def test_slow_store_sheds_and_never_stalls(shedding, scenario, vllm_log, monkeyp
     assert f["freed_while_held"] == 0
     assert _integrity(pool, inst) == {"stale_ready": 0, "wrong_reads": 0, "violations": 0}
     assert pool.ready_keys()  # the pool still got some prefixes
-    ours = [r for r in vllm_log.records if r.levelname == "WARNING" and r.name.startswith("vllm.ascend_layerwise_patch")]
+    records = vllm_log.records + inst.rank_records()  # the engine's and every rank process's
+    ours = [r for r in records if r.levelname == "WARNING" and r.name.startswith("vllm.ascend_layerwise_patch")]
     assert any("request save(s) shed" in r.getMessage() for r in ours)  # logged ...
     assert sum("request save(s) shed" in r.getMessage() for r in ours) == 1  # ... rate-limited (once a minute)
     assert any("layerwise KV send stuck" in r.getMessage() for r in ours)  # a WARNING while a send is stuck
@@ -159,7 +160,7 @@ def test_a_store_that_keeps_up_sheds_nothing(shedding):
     every prefix it would without them."""
     inst_kw, soak_kw, _slow = SCENARIOS["slow"]
     pool = make_pool()
-    inst = PoolInstance(pool, max_model_len=512, processes=False, **inst_kw)  # see _instance
+    inst = PoolInstance(pool, max_model_len=512, **inst_kw)  # see _instance
     inst.scale_save_wait()
     shed0 = send_shedding.counters()["shed_saves"]
     f = soak(inst, seed=1, deadline_s=60.0, **{**soak_kw, "requests": 20})
@@ -219,7 +220,7 @@ def test_026_a_slow_non_leader_rank_builds_a_backlog_or_stops_the_engine(vllm_lo
     assert row.state != APPLIED and "out of range" in row.reason, row
     inst_kw, soak_kw = NON_LEADER
     pool = make_pool()
-    inst = PoolInstance(pool, max_model_len=512, processes=False, **inst_kw)  # see _instance
+    inst = PoolInstance(pool, max_model_len=512, **inst_kw)  # see _instance
     cs = inst.scheduler.connector.connector_scheduler
     held_max = 0
     step = inst.step
