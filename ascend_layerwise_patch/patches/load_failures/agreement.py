@@ -23,9 +23,9 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from datetime import timedelta
 
 from ... import pool_events
+from .. import _failed_load
 from ...host import logger
 from .._checks import Counts
 from .._checks import expects as _expects
@@ -50,50 +50,22 @@ def _has_pool_load(requests) -> bool:
     return any(m.load_spec is not None and m.load_spec.can_load for m in requests)
 
 
-def _tp_group(parallel_state):
-    try:
-        return parallel_state.get_tp_group()
-    except AssertionError:  # no TP group in this process (a single-process engine that never built one)
-        return None
-
-
-def _agree(worker, requests, torch, dist, parallel_state) -> list[bool]:
+def _agree(worker, requests) -> list[bool]:
     """One flag per request (metadata order): its load failed on some rank of the TP group. The
-    local flags are the ``load_failures`` marks of this step's waits; the others' arrive through an
-    all_reduce(MAX) of one byte per request over the TP group's CPU (gloo) group, bounded by
-    ``AGREE_S`` for this one operation (the group's own timeout is 30 minutes on NPU)."""
+    local flags are the ``load_failures`` marks of this step's waits (``_failed_load.tp_agree``
+    all-reduces them)."""
     local = [bool(m.__dict__.get(_POISONED)) for m in requests]
-    group = _tp_group(parallel_state)
-    if group is None or group.world_size == 1:
-        return local
-    if getattr(worker, "pcp_size", 1) > 1 and not worker.__dict__.get(_PCP_WARNED):
+    if getattr(worker, "tp_size", 1) > 1 and getattr(worker, "pcp_size", 1) > 1 and not worker.__dict__.get(_PCP_WARNED):
         worker.__dict__[_PCP_WARNED] = True
         logger().warning(
             "ascend_layerwise_patch: prefill context parallel is on (%d ranks): a failed layerwise load "
             "is agreed across the TP group only",
             worker.pcp_size,
         )
-    flags = torch.tensor(local, dtype=torch.uint8)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
-    opts.timeout = timedelta(seconds=AGREE_S)
-    try:
-        group.cpu_group.allreduce([flags], opts).wait()
-    except Exception as exc:  # noqa: BLE001 - gloo's timeout or a peer gone: the group is unusable now
-        rank = getattr(group, "rank_in_group", "?")
-        logger().error(
-            "ascend_layerwise_patch: TP rank %s: the layerwise load agreement of the TP group did not "
-            "complete within %.0f s (a TP rank failed before its final layer?): %s",
-            rank,
-            AGREE_S,
-            exc,
-        )
-        raise RuntimeError(
-            f"ascend_layerwise_patch: TP rank {rank}: the TP group's layerwise load agreement did not "
-            f"complete within {AGREE_S:.0f} s; another TP rank did not reach its final layer"
-        ) from exc
-    COUNTS.add("agreements")
-    return [bool(f) for f in flags.tolist()]
+    flags = _failed_load.tp_agree(local, AGREE_S)
+    if getattr(worker, "tp_size", 1) > 1:
+        COUNTS.add("agreements")
+    return flags
 
 
 def _mark(worker, requests, flags) -> None:
@@ -133,17 +105,13 @@ def make_save_kv_layer(original):
 
     A rank that raises before this point leaves the others in the collective for ``AGREE_S``; they
     raise then (``RuntimeError``), and the engine ends with every rank's error, not a hang."""
-    torch = importlib.import_module("torch")
-    dist = importlib.import_module("torch.distributed")
-    parallel_state = importlib.import_module("vllm.distributed.parallel_state")
-
     @functools.wraps(original)
     def save_kv_layer(self, connector_metadata):
         last = self.num_layers - 1
         if self.current_layer == last and self.use_gva_layerwise:
             requests = getattr(connector_metadata, "requests", None) or ()
             if requests and _has_pool_load(requests):
-                _mark(self, requests, _agree(self, requests, torch, dist, parallel_state))
+                _mark(self, requests, _agree(self, requests))
             drop: dict[str, None] = {}
             for meta in requests:
                 if meta.__dict__.get(_POISONED) and meta.save_keys:
@@ -193,12 +161,7 @@ def _save_ok(original) -> str | None:
             return f"ReqMeta no longer has {name}"
     if "can_load" not in getattr(config.LoadSpec, "__annotations__", {}):
         return "LoadSpec no longer has can_load"
-    dist = importlib.import_module("torch.distributed")
-    if "timeout" not in dir(getattr(dist, "AllreduceOptions", object)):
-        return "torch.distributed.AllreduceOptions has no per-operation timeout"
-    if not callable(getattr(importlib.import_module("vllm.distributed.parallel_state"), "get_tp_group", None)):
-        return "vllm.distributed.parallel_state.get_tp_group is gone"
-    return None
+    return _failed_load.agree_ok()
 
 
 def _upstream_agrees(_original) -> str | None:
