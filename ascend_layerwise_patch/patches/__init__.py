@@ -51,6 +51,7 @@ pool_metrics            pool_metrics         the pool's failures were not on vLL
 pool_hit_boundary       pool_hit_boundary    0.30: a whole-prompt pool hit resumed a GDN request at prompt - 1, where no state was saved
 pool_key_tp             pool_key_tp          0.30: pool keys named no TP size: another TP size's GDN slices were loaded
 pool_load_recovery      pool_load_recovery   0.30: a failed hybrid pool load ended the engine; vLLM's in-place rollback shared the null block
+pool_load_agreement     pool_load_recovery   0.30: at TP > 1 with async scheduling a failed pool load stopped one rank and hung the others
 pool_load_recovery_policy pool_load_recovery 0.30: vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
 """
 
