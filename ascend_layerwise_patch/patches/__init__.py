@@ -43,6 +43,7 @@ pool_key_layout         pool_key_layout      pool keys named no layout (TP size,
 mamba_pool_resume_load  mamba_pool_hit       0.25.1rc1 loaded every intermediate mamba state of a hit into the null block
 load_failures           load_failures        failed, raising or late loads were computed on, unreported
 load_failures_saves     load_failures        the keys a failed step saved were made ready
+load_failures_agreement load_failures        at TP > 1 only the failing rank dropped its keys of a failed step; the others published theirs
 load_failures_policy    load_failures        vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
 load_failures_rollback  load_failures        the in-place rollback shared the null block, kept stale blocks cached and async frames
 async_fences            async_fences         with async scheduling a kv_producer's freed block could be loaded into while the in-flight step still wrote it
@@ -50,6 +51,7 @@ pool_metrics            pool_metrics         the pool's failures were not on vLL
 pool_hit_boundary       pool_hit_boundary    0.30: a whole-prompt pool hit resumed a GDN request at prompt - 1, where no state was saved
 pool_key_tp             pool_key_tp          0.30: pool keys named no TP size: another TP size's GDN slices were loaded
 pool_load_recovery      pool_load_recovery   0.30: a failed hybrid pool load ended the engine; vLLM's in-place rollback shared the null block
+pool_load_agreement     pool_load_recovery   0.30: at TP > 1 with async scheduling a failed pool load stopped one rank and hung the others
 pool_load_recovery_policy pool_load_recovery 0.30: vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
 """
 

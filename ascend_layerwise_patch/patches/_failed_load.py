@@ -6,7 +6,8 @@ A hybrid request vLLM rolled back in place after a failed load is preempted inst
 evicted from the prefix cache first), marked so that it never loads from the pool again
 (:func:`make_no_reload`); vllm-ascend's pool scheduler, which would raise on a request preempted
 outside ``schedule()`` and resumed by the next one, keeps its state (:func:`make_build_meta`).
-Not a group: it declares no patch and imports no group package (group packages import it).
+On the worker side, both releases' TP ranks agree on which requests' loads failed on any rank
+(:func:`tp_agree`, issue 32). Not a group: it declares no patch and imports no group package (group packages import it).
 """
 
 from __future__ import annotations
@@ -145,3 +146,56 @@ def make_build_meta(original, *, forget: Iterable[str], finish: Callable[[object
         return meta
 
     return build_connector_meta
+
+
+def tp_agree(local: list[bool], timeout_s: float) -> list[bool]:
+    """Which requests' loads failed on any rank of this worker's TP group: ``local`` (one flag per
+    request of the step, in metadata order, identical on every rank) all-reduced with MAX over the
+    TP group's CPU (gloo) group, as one byte per request, bounded by ``timeout_s`` for this one
+    operation (``AllreduceOptions.timeout``: vllm-ascend builds that group with torch's 30-minute
+    default). ``local`` as is where the process has no TP group or a group of one. Every rank must
+    call it at the same point of the same steps (the caller's condition depends on the scheduler
+    output only), on its forward thread; a rank that never comes makes the others raise a
+    ``RuntimeError`` after ``timeout_s`` (the group is unusable after that: no retry)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    try:
+        group = parallel_state.get_tp_group()
+    except AssertionError:  # no TP group in this process (a single-process engine that never built one)
+        group = None
+    if group is None or group.world_size == 1:
+        return list(local)
+    flags = torch.tensor(local, dtype=torch.uint8)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    opts.timeout = timedelta(seconds=timeout_s)
+    try:
+        group.cpu_group.allreduce([flags], opts).wait()
+    except Exception as exc:  # noqa: BLE001 - gloo's timeout or a peer gone
+        rank = getattr(group, "rank_in_group", "?")
+        logger().error(
+            "ascend_layerwise_patch: TP rank %s: the layerwise load agreement of the TP group did not "
+            "complete within %.0f s (a TP rank failed before its final layer?): %s",
+            rank,
+            timeout_s,
+            exc,
+        )
+        raise RuntimeError(
+            f"ascend_layerwise_patch: TP rank {rank}: the TP group's layerwise load agreement did not "
+            f"complete within {timeout_s:.0f} s; another TP rank did not reach its final layer"
+        ) from exc
+    return [bool(f) for f in flags.tolist()]
+
+
+def agree_ok() -> str | None:
+    """What :func:`tp_agree` needs of torch and vLLM (a spec's precondition calls it)."""
+    dist = importlib.import_module("torch.distributed")
+    if "timeout" not in dir(getattr(dist, "AllreduceOptions", object)):
+        return "torch.distributed.AllreduceOptions has no per-operation timeout"
+    if not callable(getattr(importlib.import_module("vllm.distributed.parallel_state"), "get_tp_group", None)):
+        return "vllm.distributed.parallel_state.get_tp_group is gone"
+    return None

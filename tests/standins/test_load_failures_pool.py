@@ -44,11 +44,20 @@ B_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + [1, 2, 3, 4, 5]
 C_PROMPT_ASYNC = PROMPT[:32] + NEW_ASYNC + list(range(7000, 7016))
 E_PROMPT = list(range(5000, 5021))  # another request in B's batch, nothing in the pool
 MAX_TOKENS = 3
-_ALL = {load_failures.GROUP, load_failures.SAVES_GROUP, load_failures.ROLLBACK_GROUP, mamba_pool_hit.RESUME_LOAD_GROUP}
+_ALL = {
+    load_failures.GROUP,
+    load_failures.SAVES_GROUP,
+    load_failures.AGREEMENT_GROUP,
+    load_failures.ROLLBACK_GROUP,
+    mamba_pool_hit.RESUME_LOAD_GROUP,
+}
 _GROUPS = {
     "on": set(),
     "off": _ALL,  # the library's load-failure handling off
-    "saves_off": {load_failures.SAVES_GROUP},  # only the dropped saves off
+    # only the dropped saves off: load_failures_saves, and the agreement (it finishes every marked
+    # request's keys of the step as failed too, the failing rank's own included)
+    "saves_off": {load_failures.SAVES_GROUP, load_failures.AGREEMENT_GROUP},
+    "agreement_off": {load_failures.AGREEMENT_GROUP},  # only the TP ranks' agreement off (issue 32)
     "rollback_off": {load_failures.ROLLBACK_GROUP},  # only the preempting rollback off
     "resume_load_off": {mamba_pool_hit.RESUME_LOAD_GROUP},
 }
@@ -89,21 +98,46 @@ def expected() -> dict[str, list[int]]:
     return {r.request_id: list(r.output_token_ids) for r in reqs}
 
 
-class Run:
-    """A fills the pool, B's first GDN load fails (``fault``), then C hits the same prefix."""
+def rank_suffix(tp: int, rank: int, kv_heads: int = 2) -> str:
+    """How GDN keys of TP rank ``rank`` end: ``@tp<rank>`` where ranks share a KV head (put_step > 1,
+    ``gdn_tp_keys.rank_key``), else ``@<rank>`` (upstream's ``head_or_tp_rank``)."""
+    return f"@tp{rank}" if tp > kv_heads else f"@{rank}"
 
-    def __init__(self, fault: str, policy: str = "recompute", scheduling: str = "sync", with_other: bool = False):
+
+class Run:
+    """A fills the pool, B's first GDN load fails (``fault``), then C hits the same prefix.
+
+    ``tp``: every instance's TP size (2 KV heads; ranks are processes at TP > 1); ``rank``: the fault
+    hits that TP rank's GDN keys only (None: the first GDN load of any rank)."""
+
+    def __init__(
+        self,
+        fault: str,
+        policy: str = "recompute",
+        scheduling: str = "sync",
+        with_other: bool = False,
+        tp: int = 1,
+        rank: int | None = None,
+    ):
         asy = scheduling == "async"
         b_prompt, c_prompt = (B_PROMPT_ASYNC, C_PROMPT_ASYNC) if asy else (B_PROMPT, C_PROMPT)
+        self.tp = tp
         self.pool = pool = make_pool()
-        a = PoolInstance(pool, name="A")
+        a = PoolInstance(pool, name="A", tp=tp)
         a.add_request("a", PROMPT, max_tokens=1)
         engine_loop(a)
+        a.close()
         self.b = b = PoolInstance(
-            pool, name="B", kv_load_failure_policy=policy, async_scheduling=asy, long_prefill_token_threshold=16 if asy else 0
+            pool,
+            name="B",
+            tp=tp,
+            kv_load_failure_policy=policy,
+            async_scheduling=asy,
+            long_prefill_token_threshold=16 if asy else 0,
         )
         group = str(b.group_of[b.gdn_layers[0]])
-        is_gdn = lambda key: key.split("@")[1] == group  # noqa: E731
+        on_rank = "" if rank is None else rank_suffix(tp, rank)
+        is_gdn = lambda key: key.split("@")[1] == group and key.endswith(on_rank)  # noqa: E731
         self.fault = None
         if fault == "evict":
             # after the scheduler's hit check, before the worker's load: the state B resumes from goes
@@ -130,9 +164,14 @@ class Run:
                 self.fault.gate.set()
 
         engine_loop(b, on_step=after)
-        self.c = c = PoolInstance(pool, name="C")
+        self.c = c = PoolInstance(pool, name="C", tp=tp)
         self.req_c = c.add_request("c", c_prompt, max_tokens=2)
         engine_loop(c)
+
+    def close(self) -> None:
+        """Ends B's and C's rank processes (TP > 1)."""
+        self.b.close()
+        self.c.close()
 
     def ready_failed_step_keys(self) -> list[str]:
         """Keys of b saved in the batches computed on its failed load that are ready."""
@@ -140,6 +179,15 @@ class Run:
 
         b_hashes = {pool_worker.block_hash_to_str(h) for h in self.req_b.block_hashes}
         return [k for k, blob in self.failed_step_keys.items() if blob.state == "ready" and k.split("@")[2] in b_hashes]
+
+    def ready_by_suffix(self) -> dict[str, int]:
+        """:meth:`ready_failed_step_keys` counted by the key's last field (GDN: ``tp<rank>`` or the
+        rank; attention: the KV head its saving rank holds)."""
+        counts: dict[str, int] = {}
+        for key in self.ready_failed_step_keys():
+            suffix = key.rsplit("@", 1)[1]
+            counts[suffix] = counts.get(suffix, 0) + 1
+        return dict(sorted(counts.items()))
 
     def wrong_reads_b(self) -> list:
         """B's reads after the batches computed on the failed load (their outputs are discarded)."""
@@ -181,7 +229,8 @@ def test_failed_step_saves_are_never_published(library, expected, monkeypatch, f
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_without_the_fix_the_failed_step_poisons_the_pool(library, expected, mode, scheduling):
     """The library's load-failure handling off (vllm-ascend as released, policy ``fail`` since it
-    refuses ``recompute`` for hybrids), or only ``load_failures_saves`` off: B's failed step
+    refuses ``recompute`` for hybrids), or only the dropped saves off (``load_failures_saves`` and
+    ``load_failures_agreement``): B's failed step
     publishes its keys, and C computes on them."""
     library(mode)
     run = Run("error", policy="fail" if mode == "off" else "recompute", scheduling=scheduling)

@@ -53,8 +53,10 @@ class Run:
     """A fills the pool (a1 then a2); B runs b1 and b2 with ``evict`` keys gone after its first
     schedule: "all", "gdn", "attn" (one group's keys of both prefixes) or "b1" (b1's prefix only)."""
 
-    def __init__(self, evict: str, policy: str = "recompute", scheduling: str = "sync"):
-        tp = 2 if evict == "rank1" else 1  # "rank1": TP 2, only rank 1's keys evicted (rank 0 loads)
+    def __init__(self, evict: str, policy: str = "recompute", scheduling: str = "sync", tp: int | None = None):
+        # "rank1": TP 2 (or ``tp``), only rank 1's GDN keys evicted (the other ranks load); "copy1": only
+        # rank 1's first GDN load copy returns an error
+        tp = tp or (2 if evict in ("rank1", "copy1") else 1)
         self.tp = tp
         self.asy = asy = scheduling == "async"
         self.prompts = TWO_ASYNC if asy else TWO
@@ -75,13 +77,20 @@ class Run:
             "gdn": lambda key: key.split("@")[1] == gdn,
             "attn": lambda key: key.split("@")[1] != gdn,
             "b1": lambda key: key in a1_keys,
-            "rank1": lambda key: key.endswith("@1tp2"),
+            "rank1": lambda key: key.endswith(f"@1tp{tp}") and key.split("@")[1] == gdn,
             "copy": None,  # nothing evicted: the first GDN load copy returns an error
+            "copy1": None,  # ... of rank 1
             "raise": None,  # ... or raises
         }[evict]
         self.fault = None
         if match is None:
-            self.fault = pool.add_fault("error" if evict == "copy" else "raise", direction=G2L, times=1, match=lambda key: key.split("@")[1] == gdn)
+            rank = f"@1tp{tp}" if evict == "copy1" else ""
+            self.fault = pool.add_fault(
+                "raise" if evict == "raise" else "error",
+                direction=G2L,
+                times=1,
+                match=lambda key: key.split("@")[1] == gdn and key.endswith(rank),
+            )
         self.evicted: list[str] = []
         self.before = {}
         self.failed_step_keys: list[str] = []
@@ -220,17 +229,19 @@ def test_a_failed_request_releases_no_lease_another_request_of_the_step_holds(re
         assert pool.over_releases == []
 
 
-def test_async_scheduling_across_ranks_keeps_upstreams_stop():
-    """TP 2 with async scheduling: the step in flight when rank 1's load fails saves on rank 0 too, and
-    rank 0 cannot know (its layers computed on rank 1's unloaded state through the all-reduce): the
-    library does not recover there and vllm-ascend's stop stays -- on rank 1 only. With the ranks as
-    processes (as vLLM runs them) that stop is a hang on rank 0: it waits in the layer's all-reduce
-    for a rank that will never enter it (here until the harness's gloo timeout; on an NPU, HCCL's
-    operator timeout, then the RPC timeout). The defect of issue 32, pinned until it is fixed."""
+def test_async_scheduling_across_ranks_keeps_upstreams_stop_without_the_agreement():
+    """TP 2 with async scheduling, ``pool_load_agreement`` skipped: the step in flight when rank 1's
+    load fails saves on rank 0 too, and rank 0 cannot know (its layers computed on rank 1's unloaded
+    state through the all-reduce): the library does not recover there and vllm-ascend's stop stays --
+    on rank 1 only. With the ranks as processes (as vLLM runs them) that stop is a hang on rank 0: it
+    waits in the layer's all-reduce for a rank that will never enter it (here until the harness's
+    gloo timeout; on an NPU, HCCL's operator timeout, then the RPC timeout). Issue 32; with the
+    agreement: test_load_agreement_030.py."""
     import rank_procs
-    from ascend_layerwise_patch.patches.pool_load_recovery import worker
+    from ascend_layerwise_patch.patches.pool_load_recovery import AGREEMENT_GROUP, worker
+    from harness_pool import groups_skipped
 
-    with pytest.raises(rank_procs.RankFailure) as failure:
+    with groups_skipped(AGREEMENT_GROUP), pytest.raises(rank_procs.RankFailure) as failure:
         Run("rank1", scheduling="async")
     text = str(failure.value)
     rank0, _, rank1 = text.partition("--- rank 1 raised:")

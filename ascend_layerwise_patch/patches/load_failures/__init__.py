@@ -63,6 +63,18 @@ Saves    (group ``load_failures_saves``) The failed step still computes from the
          upstream's finish (in the thread: no race on ``write_results``). Under async scheduling the
          next step is already scheduled on the failed state: the request stays marked in later steps
          until its preemption (or end) reaches the worker. Keys ready from earlier steps are untouched.
+Agreement (group ``load_failures_agreement``, module ``agreement``) At TP > 1 the marks above are the
+         failing rank's alone: the other ranks' loads succeeded, yet after the next TP all-reduce
+         their hidden states carry the failing rank's damage, so their saves of the failed step (and
+         of the step in flight) are wrong too and were published; and at TP > KV heads the failing
+         rank itself found its keys through the final layer's ranges, which a rank that saves no
+         attention block does not have (``gdn_tp_keys``' final task: keys, no ranges). A hit then
+         mixed clean and poisoned keys. Now, at the final layer's save of a step with a pool load,
+         every rank all-reduces (MAX) one byte per request over the TP group's CPU group, bounded
+         by ``AGREE_S`` (30 s, ``ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S``); every rank marks the agreed
+         requests as the failing rank does, and finishes ALL of their keys of the step as failed,
+         whatever the ranges. The module docstring says why its own group, and why not a held
+         publish. PP > 1 stays refused (``pool_key_layout``); each DP replica has its own TP group.
 Rollback (group ``load_failures_rollback``) Rewinding ``num_computed_tokens`` in place keeps the
          align-mode block table (the recompute's GDN state runs in the null block whenever the
          resume point's chunk has a null state block, shared with every request rolled back in the
@@ -85,11 +97,11 @@ Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-
 
 from __future__ import annotations
 
-from . import policy, report, rollback, saves
-from ._common import _NO_RELOAD, GROUP, POLICY_GROUP, ROLLBACK_GROUP, SAVES_GROUP  # noqa: F401
+from . import agreement, policy, report, rollback, saves
+from ._common import _NO_RELOAD, AGREEMENT_GROUP, GROUP, POLICY_GROUP, ROLLBACK_GROUP, SAVES_GROUP  # noqa: F401
 from .report import _resume_point, _upstream_hybrid, _upstream_reports  # noqa: F401  (tests read them)
 
-_BY_NAME = {spec.name: spec for module in (report, saves, policy, rollback) for spec in module.SPECS}
+_BY_NAME = {spec.name: spec for module in (report, saves, agreement, policy, rollback) for spec in module.SPECS}
 
 #: the order they are applied in (and their modules imported): stacked patches after the ones they
 #: name; load_fail_no_reload after load_fail_rollback_frames (production imports vLLM's
@@ -102,6 +114,8 @@ SPECS = tuple(
         "load_fail_thread",
         "load_fail_drop_saves",
         "load_fail_drop_later_saves",
+        "load_fail_agree",
+        "load_fail_agree_drop",
         "load_fail_wait",
         "load_fail_policy",
         "load_fail_rollback",

@@ -24,6 +24,9 @@ ROLLBACK_GROUP = Group("load_failures_rollback", V025, risk=RISK, why=_WHY)
 #: a failed step's saves are finished failed (own group: own switch)
 SAVES_GROUP = Group("load_failures_saves", V025, risk=RISK, why=_WHY)
 
+#: every TP rank learns of a load that failed on any rank (own group: a collective, own switch)
+AGREEMENT_GROUP = Group("load_failures_agreement", V025, risk=RISK, why=_WHY)
+
 
 _FAILED_COPY = "_ascend_layerwise_patch_failed_copy"  # thread: result of the copy being handled
 

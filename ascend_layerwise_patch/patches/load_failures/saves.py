@@ -34,10 +34,10 @@ def make_send_handle(original):
                             dropped.update(dict.fromkeys(meta.save_keys))
                 if dropped:
                     results = self.write_results
-                    for key in dropped:
-                        if not results.get(key):
-                            results[key] = DROPPED
-                    pool_events.bump("pool_keys_failed", len(dropped))
+                    new = [key for key in dropped if not results.get(key)]  # not already failed
+                    for key in new:
+                        results[key] = DROPPED
+                    pool_events.bump("pool_keys_failed", len(new))
                     logger().warning(
                         "ascend_layerwise_patch: %d pool key(s) saved in a step whose layerwise load failed "
                         "are finished as failed (not published)",

@@ -1,8 +1,9 @@
 """0.30: a hybrid request whose pool load fails is recomputed (or failed alone); the engine goes on.
 
 Target   vllm_ascend...ascend_store.pool_worker: KVPoolWorker._prepare_load_gvas,
-         KVPoolWorker.prepare_layerwise_step; ascend_store.kv_transfer:
-         KVCacheStoreLayerRecvingThread._handle_request, ._batch_copy_with_limits (worker half)
+         KVPoolWorker.prepare_layerwise_step, .save_kv_layer (agreement); ascend_store.kv_transfer:
+         KVCacheStoreLayerRecvingThread._handle_request, ._batch_copy_with_limits,
+         KVCacheStoreLayerSendingThread._handle_request (agreement)                (worker half)
          vllm.v1.core.sched.scheduler:Scheduler._handle_invalid_blocks;
          vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler.build_connector_meta,
          KVPoolScheduler.get_num_new_matched_tokens                              (scheduler half)
@@ -56,13 +57,19 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          (Pool harness, tests/standins/test_pool_load_recovery_030.py: off, the engine ends; on,
          every request finishes with the tokens of a run without the pool, 0 wrong reads after the
          failed step, 0 null-block writes, no key of the steps computed on the failure ready.)
+Agreement (group ``pool_load_agreement``, module ``agreement``; issue 32) Async scheduling across
+         several TP ranks: the step scheduled before the failure was known is in flight on every
+         rank, and only the rank whose load failed knew to drop its saves -- the others' (computed
+         on that state through the all-reduce) would be published, so upstream's stop was kept, and
+         at TP > 1 that stop is a hang (only the failing rank raises; the others wait in the next
+         collective). Now every TP rank learns the failed requests at the final layer of the step
+         (one byte per request, all_reduce MAX over the TP group's CPU group, bounded) and drops
+         their saves until the rollback reaches it; with the agreement in force the failure is
+         recovered there too (``worker.recovers``). Without it, and with PP / PCP > 1, upstream's
+         stop is kept, with a WARNING saying why.
 Not done A key-major (block-key) range load that fails and a layer wait that never ends stay
-         upstream's: the engine stops. Async scheduling across several ranks (TP / PP / PCP > 1):
-         upstream's stop is kept, with a WARNING saying why (``worker.recovers``) -- the step
-         scheduled before the failure was known is in flight on every rank, only the rank whose load
-         failed could drop its saves, and the others' (computed on that state through the
-         all-reduce or the earlier stage) would be published. Not tested with pipeline parallelism
-         or layerwise_offload (where a load step also saves).
+         upstream's: the engine stops. Not tested with pipeline parallelism or layerwise_offload
+         (where a load step also saves).
 Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the receiving thread no
          longer raises for a failed copy (worker half), ``_handle_invalid_blocks`` preempts the
          affected requests itself and ``build_connector_meta`` tells a resumed request from a
@@ -71,7 +78,7 @@ Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the 
 
 from __future__ import annotations
 
-from . import policy, scheduler, worker
-from ._common import GROUP, POLICY_GROUP  # noqa: F401
+from . import agreement, policy, scheduler, worker
+from ._common import AGREEMENT_GROUP, GROUP, POLICY_GROUP  # noqa: F401
 
-SPECS = (*worker.SPECS, *scheduler.SPECS, *policy.SPECS)
+SPECS = (*worker.SPECS, *agreement.SPECS, *scheduler.SPECS, *policy.SPECS)

@@ -18,5 +18,12 @@ WHY = (
 # V030: vLLM 0.29's scheduler unpacks one KV cache group: a hybrid report raises there
 GROUP = Group("pool_load_recovery", V030, risk=RISK, why=WHY)
 
+#: every TP rank learns of a load that failed on any rank (own group: a collective, own switch)
+AGREEMENT_GROUP = Group("pool_load_agreement", V030, risk="at TP > 1 with async scheduling a failed pool load stops the "
+                        "failing rank and hangs the others in the next collective", why=WHY)
+
+#: worker: the TP ranks agree on failed loads (pool_load_agreement in force): recovery is safe with async at TP > 1
+AGREES = "_ascend_layerwise_patch_agrees"
+
 #: the platform's config check: imported long before the rest
 POLICY_GROUP = Group("pool_load_recovery_policy", V030, risk=RISK, why=WHY)

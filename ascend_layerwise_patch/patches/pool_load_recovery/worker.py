@@ -13,7 +13,7 @@ from .._checks import expects as _expects
 from .._checks import lookup as _lookup
 from .._checks import source as _source
 from .._targets import STORE
-from ._common import GROUP
+from ._common import AGREES, GROUP
 
 WORKER = f"{STORE}.pool_worker:KVPoolWorker"
 #: what upstream raises for a hybrid request with a missing or unleasable key
@@ -101,14 +101,18 @@ def _ranks(worker) -> int:
 
 
 def recovers(worker) -> bool:
-    """Whether this worker may turn a failed load into a report. Not with async scheduling across
-    several ranks: the step scheduled before the failure was known is in flight on every rank, and
-    only the rank whose load failed knows to drop its saves -- the others (their layers computed on
-    the failed rank's state through the all-reduce / the earlier stage) would publish keys computed
-    on state never loaded. There upstream's stop is kept (the engine ends; nothing wrong is served)."""
+    """Whether this worker may turn a failed load into a report. With async scheduling across
+    several ranks only where the TP ranks agree on failed loads (``pool_load_agreement`` in force,
+    TP alone: no PP, no PCP): the step scheduled before the failure was known is in flight on every
+    rank, and without the agreement only the rank whose load failed knows to drop its saves -- the
+    others (their layers computed on the failed rank's state through the all-reduce / the earlier
+    stage) would publish keys computed on state never loaded. There upstream's stop is kept."""
     config = getattr(worker, "vllm_config", None)
     asynchronous = bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
-    return not (asynchronous and _ranks(worker) > 1)
+    if not (asynchronous and _ranks(worker) > 1):
+        return True
+    tp_only = _ranks(worker) == int(getattr(worker, "tp_size", 1) or 1)
+    return tp_only and bool(worker.__dict__.get(AGREES))
 
 
 def _kept_stop(worker, what: str) -> None:
