@@ -32,7 +32,7 @@ from byte_store import G2L  # noqa: E402
 from harness_pool import PoolInstance, differing_tokens, engine_loop, groups_skipped, make_pool, reference_outputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from ascend_layerwise_patch.patches import load_failures, pool_load_recovery  # noqa: E402
+from ascend_layerwise_patch.patches import _failed_load, pool_load_recovery  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -134,7 +134,7 @@ def test_pool_load_wait_bound_applies():
 
 
 def test_a_copy_that_never_returns_is_reported_after_the_bound_and_recovered(reference, monkeypatch):
-    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # the shared 10 s bound, read in the rank processes (forked later)
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # the shared 10 s bound, read in the rank processes (forked later)
     run = GateRun()
     b = run.b
     try:

@@ -7,8 +7,8 @@ Why   ``KVPoolWorker.wait_for_layer_load`` waits for a layer's load event in an 
       the other ranks wait in the layer's collective behind it.
 How   While the wrapped ``wait_for_layer_load`` runs, the worker's ``layer_load_finished_events``
       attribute is a view whose events wait at most ``WAIT_S`` in all for one layer (the 0.25
-      library's bound, ``load_failures.report.WAIT_S``: one constant for both releases, read at each
-      wait). The receiving thread keeps its own reference to the real list: nothing it sets or
+      library's bound, ``_failed_load.WAIT_S``, which ``load_failures.report`` takes too: one
+      constant for both releases, read at each wait). The receiving thread keeps its own reference to the real list: nothing it sets or
       asserts changes. After the bound:
       - every load block of the step (every group's hit blocks of every request with a load task,
         ``worker._hit_blocks``) is reported (``_invalid_block_ids``): the scheduler half of
@@ -49,7 +49,7 @@ from .._checks import expects as _expects
 from .._checks import lookup as _lookup
 from .._checks import source as _source
 from .._targets import STORE
-from ..load_failures import report as _bound_source  # WAIT_S, shared with vLLM 0.25's bound
+from .. import _failed_load  # WAIT_S, shared with vLLM 0.25's bound (load_failures.report)
 from ._common import WAIT_BOUND_GROUP
 from .worker import _FAILED, WORKER, _hit_blocks, recovers
 
@@ -69,7 +69,7 @@ class _Step:
 
 
 def wait_s() -> float:
-    return float(_bound_source.WAIT_S)
+    return float(_failed_load.WAIT_S)
 
 
 def _bounded(worker) -> bool:
