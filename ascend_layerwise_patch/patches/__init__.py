@@ -52,6 +52,7 @@ pool_hit_boundary       pool_hit_boundary    0.30: a whole-prompt pool hit resum
 pool_key_tp             pool_key_tp          0.30: pool keys named no TP size: another TP size's GDN slices were loaded
 pool_load_recovery      pool_load_recovery   0.30: a failed hybrid pool load ended the engine; vLLM's in-place rollback shared the null block
 pool_load_agreement     pool_load_recovery   0.30: at TP > 1 with async scheduling a failed pool load stopped one rank and hung the others
+pool_load_wait_bound    pool_load_recovery   0.30: a layerwise pool load copy that never returned hung the engine (the layer wait had no bound)
 pool_load_recovery_policy pool_load_recovery 0.30: vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
 """
 

@@ -199,3 +199,9 @@ def agree_ok() -> str | None:
     if not callable(getattr(importlib.import_module("vllm.distributed.parallel_state"), "get_tp_group", None)):
         return "vllm.distributed.parallel_state.get_tp_group is gone"
     return None
+
+
+#: how long a layerwise layer load may take before it is reported failed and its step's loads
+#: abandoned (vLLM 0.25's ``load_failures.report`` and 0.30's ``pool_load_recovery.bound``): the
+#: 10 s of upstream's wait loop. 0.30's bound reads it here at each wait (tests shorten it here).
+WAIT_S = 10.0

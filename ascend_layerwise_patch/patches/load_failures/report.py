@@ -9,6 +9,7 @@ import importlib
 import threading
 
 from ... import pool_events
+from .. import _failed_load
 from ...host import logger
 from .._targets import STORE
 from .._checks import expects as _expects
@@ -16,7 +17,7 @@ from .._checks import source as _source
 from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, _TAINTED, GROUP, _as_scheduled
 
 
-WAIT_S = 10.0  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
+WAIT_S = _failed_load.WAIT_S  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
 
 
 class _Recv:

@@ -67,8 +67,13 @@ Agreement (group ``pool_load_agreement``, module ``agreement``; issue 32) Async 
          their saves until the rollback reaches it; with the agreement in force the failure is
          recovered there too (``worker.recovers``). Without it, and with PP / PCP > 1, upstream's
          stop is kept, with a WARNING saying why.
-Not done A key-major (block-key) range load that fails and a layer wait that never ends stay
-         upstream's: the engine stops. Not tested with pipeline parallelism or layerwise_offload
+Wait bound (group ``pool_load_wait_bound``, module ``bound``; issue 32) upstream's layer wait has
+         no bound: a copy that never returns hung the engine. After ``WAIT_S`` (10 s, the 0.25
+         library's bound) every load block of the step is reported (recovered as above), the
+         requests marked failed (the agreement drops their saves on every TP rank), the step's
+         remaining loads abandoned and its leases released; stale load events are cleared once
+         the receiving thread is idle. Its own group: the module docstring says why.
+Not done A key-major (block-key) range load that fails stays upstream's: the engine stops. Not tested with pipeline parallelism or layerwise_offload
          (where a load step also saves).
 Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the receiving thread no
          longer raises for a failed copy (worker half), ``_handle_invalid_blocks`` preempts the
@@ -78,7 +83,7 @@ Removal  When ``_prepare_load_gvas`` no longer raises for a hybrid request, the 
 
 from __future__ import annotations
 
-from . import agreement, policy, scheduler, worker
-from ._common import AGREEMENT_GROUP, GROUP, POLICY_GROUP  # noqa: F401
+from . import agreement, bound, policy, scheduler, worker
+from ._common import AGREEMENT_GROUP, GROUP, POLICY_GROUP, WAIT_BOUND_GROUP  # noqa: F401
 
-SPECS = (*worker.SPECS, *agreement.SPECS, *scheduler.SPECS, *policy.SPECS)
+SPECS = (*worker.SPECS, *agreement.SPECS, *bound.SPECS, *scheduler.SPECS, *policy.SPECS)

@@ -27,3 +27,7 @@ AGREES = "_ascend_layerwise_patch_agrees"
 
 #: the platform's config check: imported long before the rest
 POLICY_GROUP = Group("pool_load_recovery_policy", V030, risk=RISK, why=WHY)
+
+#: the layerwise layer wait is bounded (own group: it changes how long the engine waits; issue 32)
+WAIT_BOUND_GROUP = Group("pool_load_wait_bound", V030, risk="a layerwise pool load copy that never returns hangs the "
+                         "engine (the layer wait has no bound)", why=WHY)

@@ -1,0 +1,187 @@
+"""Issue 32 on vllm-ascend 0.30.0rc2 + vLLM 0.30.0 (``pool_load_wait_bound``): a layerwise pool load copy
+that never returns is reported after the bound and recovered, instead of hanging the engine.
+
+Instance A fills the pool with three 40-token prompts; instance B (TP 2, 2 KV heads, async scheduling,
+policy ``recompute``, ranks as processes with a real gloo TP group) asks b1 / b2 (a 32-token pool hit
+each); rank 1's first GDN load copy blocks on a gate (byte_store's ``gate`` fault) that is opened
+only after B's requests finished. With the bound (``WAIT_S`` shortened to 0.3 s): every request
+finishes with the tokens of a run without the pool, nothing read after the failed step is wrong, no
+key saved in the steps computed on the failure is ready, and once the gate opens the late copy crashes
+nothing: the receiving thread stays alive, its stale event is cleared at the next step, a request b3
+with a pool hit of its own loads and finishes right, and no read lease is left. With only
+``pool_load_wait_bound`` skipped, the failed step never finishes (the harness's reply limit, shortened).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import ascend_layerwise_patch
+from ascend_layerwise_patch.registry import APPLIED
+
+from support import PAIR
+
+PAIRS = ("v0300",)
+if PAIR not in PAIRS:
+    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+
+import rank_procs  # noqa: E402
+from byte_store import G2L  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, groups_skipped, make_pool, reference_outputs  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from ascend_layerwise_patch.patches import _failed_load, pool_load_recovery  # noqa: E402
+
+pytestmark = pytest.mark.pairs(*PAIRS)
+
+A1, A2, A3 = (list(range(n, n + 40)) for n in (1000, 2000, 3000))
+#: async scheduling prefills in 16-token chunks (as test_pool_load_recovery_030's TWO_ASYNC)
+TWO = {"b1": A1[:32] + list(range(7, 39)) + [1, 2], "b2": A2[:32] + list(range(40, 72)) + [3, 4]}
+B3 = A3[:32] + list(range(80, 100))  # after the gate opens: a pool hit of its own
+MAX_TOKENS = 3
+TP = 2
+FAILED_STEP = 2  # batches computed before the failure is known (async: the failed one and the one in flight)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    return reference_outputs({**TWO, "b3": B3}, max_tokens=MAX_TOKENS)
+
+
+def _state(rank) -> dict:
+    worker = rank.connector.connector_worker
+    thread = worker.kv_recv_thread
+    with thread.request_queue.mutex:
+        unfinished = thread.request_queue.unfinished_tasks
+    return dict(
+        rank=rank.rank,
+        unfinished=unfinished,
+        fatal=repr(thread._fatal_error) if thread._fatal_error is not None else None,
+        alive=thread.is_alive(),
+        set_events=[i for i, ev in enumerate(worker.layer_load_finished_events) if ev.is_set()],
+        **pool_load_recovery.bound.COUNTS.snapshot(),
+        failed_elsewhere=pool_load_recovery.agreement.COUNTS.snapshot()["failed_elsewhere"],
+    )
+
+
+class GateRun:
+    """A fills the pool; B (TP 2, async) runs b1 and b2 with rank 1's first GDN load copy gated."""
+
+    def __init__(self, reply_limit: float | None = None):
+        self.pool = pool = make_pool()
+        a = PoolInstance(pool, name="A", tp=TP)
+        try:
+            for name, prompt in (("a1", A1), ("a2", A2), ("a3", A3)):
+                a.add_request(name, prompt)
+                engine_loop(a)
+        finally:
+            a.close()
+        self.b = b = PoolInstance(
+            pool, name="B", kv_load_failure_policy="recompute", async_scheduling=True, long_prefill_token_threshold=16, tp=TP
+        )
+        if reply_limit is not None:
+            b.procs.reply_limit = reply_limit
+        gdn = str(b.group_of[b.gdn_layers[0]])
+        self.fault = pool.add_fault(
+            "gate", direction=G2L, times=1, match=lambda key: key.split("@")[1] == gdn and key.endswith(f"@1tp{TP}")
+        )
+        self.before: dict = {}
+        self.failed_step_keys: list[str] = []
+
+        def after_schedule(inst, so):
+            if inst.steps == 0:
+                self.before = dict(pool.blobs)
+
+        def on_step(inst, so):
+            if inst.steps == FAILED_STEP and not self.failed_step_keys:
+                self.failed_step_keys = [k for k, blob in pool.blobs.items() if self.before.get(k) is not blob]
+
+        b.after_schedule = after_schedule
+        self.reqs = [b.add_request(r, p, max_tokens=MAX_TOKENS) for r, p in TWO.items()]
+        start = time.monotonic()
+        try:
+            engine_loop(b, on_step=on_step)
+        except BaseException:
+            self.fault.gate.set()  # the copy may go (the server thread would hold it GATE_LIMIT_S)
+            raise
+        finally:
+            self.wall_s = time.monotonic() - start
+        self.tokens = {r.request_id: list(r.output_token_ids) for r in self.reqs}
+
+    def wrong_after_failed_step(self) -> list:
+        return [r for kind in ("gdn", "attn") for r in self.b.wrong_reads(kind=kind) if r.step >= FAILED_STEP]
+
+    def ready_failed_step_keys(self) -> list[str]:
+        return [k for k in self.failed_step_keys if self.pool.blobs.get(k) is not None and self.pool.blobs[k].state == "ready"]
+
+    def leases(self) -> int:
+        return sum(blob.leases for blob in self.pool.blobs.values())
+
+    def states_when_idle(self, limit_s: float = 10.0) -> list[dict]:
+        deadline = time.monotonic() + limit_s
+        while True:
+            states = self.b.on_ranks(_state)
+            if all(s["unfinished"] == 0 for s in states) or time.monotonic() > deadline:
+                return states
+            time.sleep(0.05)
+
+
+def test_pool_load_wait_bound_applies():
+    states = {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == pool_load_recovery.WAIT_BOUND_GROUP}
+    assert states == {APPLIED}
+
+
+def test_a_copy_that_never_returns_is_reported_after_the_bound_and_recovered(reference, monkeypatch):
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # the shared 10 s bound, read in the rank processes (forked later)
+    run = GateRun()
+    b = run.b
+    try:
+        during = b.on_ranks(_state)  # the gate still closed: rank 1's thread is still in the late copy
+        assert run.fault.hits == 1
+        assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in run.reqs), [r.status for r in run.reqs]
+        assert differing_tokens(run.tokens, {r: reference[r] for r in TWO}) == 0, run.tokens
+        assert all(r.num_preemptions == 1 for r in run.reqs)  # both were in the gated batched copy: recomputed
+        assert run.wrong_after_failed_step() == [] and b.null_writes == []
+        assert run.ready_failed_step_keys() == []  # the steps computed on the failure put no key (dropped on both ranks)
+        assert [s["waits_timed_out"] for s in during] == [0, 1], during
+        assert during[1]["unfinished"] > 0 and during[0]["failed_elsewhere"] > 0, during  # rank 0 learnt it (agreement)
+        assert run.leases() == 0  # the abandoned step's leases released while the copy is still out
+        # the gate opens: the late copy returns and sets its layer's event
+        run.fault.gate.set()
+        after = run.states_when_idle()
+        assert all(s["unfinished"] == 0 and s["alive"] and s["fatal"] is None for s in after), after
+        assert after[1]["set_events"], after  # the late copy's set (and the emptied tasks'): stale
+        b3 = b.add_request("b3", B3, max_tokens=MAX_TOKENS)
+        engine_loop(b)
+        end = b.on_ranks(_state)
+        assert b3.status == RequestStatus.FINISHED_LENGTH_CAPPED and list(b3.output_token_ids) == reference["b3"]
+        assert b3.num_preemptions == 0  # A3's blocks (B never computed them): its GDN state at 32 loaded from the pool
+        assert any(r.expected == 32 and r.ok for r in b.reads_of("b3")), b.reads_of("b3")
+        assert b.wrong_reads("b3") == [] and b.wrong_reads("b3", kind="attn") == []
+        assert end[1]["stale_events_cleared"] >= 1 and end[1]["waits_timed_out"] == 1, end
+        assert all(s["alive"] and s["fatal"] is None for s in end), end
+        assert run.leases() == 0
+    finally:
+        run.fault.gate.set()
+        b.close()
+    print(f"\nwait bound 0.3 s, gate on rank 1's GDN copy, tp{TP} async: B's run {run.wall_s:.1f} s; per rank during "
+          f"{during}; after the gate {after}; end {end}; failed-step keys {len(run.failed_step_keys)}, ready 0; "
+          f"wrong reads after the failed step 0; leases 0")
+
+
+def test_without_the_bound_the_failed_step_never_finishes(monkeypatch):
+    """``pool_load_wait_bound`` skipped (the rest of the library on): rank 1 waits for its layer
+    without end (upstream's ``keep waiting``), rank 0 in the layer's collective behind it: the step
+    never comes back (the harness's reply limit, 5 s here; byte_store's gate would let the copy go
+    after 30 s, in production nothing does)."""
+    start = time.monotonic()
+    with groups_skipped(pool_load_recovery.WAIT_BOUND_GROUP), pytest.raises(rank_procs.RankFailure) as failure:
+        GateRun(reply_limit=5.0)
+    wall = time.monotonic() - start
+    text = str(failure.value)
+    print(f"\nbound off: RankFailure after {wall:.1f} s: {text.splitlines()[0]} / {text.splitlines()[1]}")
+    assert "did not come back within 5 s" in text
+    rank1 = text.partition("--- rank 1 is at:")[2]
+    assert "wait_for_layer_load" in rank1, text  # rank 1 is in the layer wait
