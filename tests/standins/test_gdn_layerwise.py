@@ -164,6 +164,7 @@ def test_profile_run_runs_the_original_to_its_end(stack):
     assert connector.calls == [("fence", "")]  # no metadata: no wait, no state read, no save
 
 
+@pytest.mark.control("the library reverted inside the test: upstream's GDN layer never waits (the defect, as released)")
 def test_without_the_patch_gdn_layers_never_wait(stack):
     """On the unpatched 0.25.1rc1 code the GDN layers compute with no wait and no fence first."""
     gdn, layers, connector, _config, step, attn_name = stack
@@ -180,6 +181,7 @@ def test_without_the_patch_gdn_layers_never_wait(stack):
     assert log[:2] == [("compute", layers[0].prefix), ("save", "")]
 
 
+@pytest.mark.control("plain serving without a connector: neither upstream nor the patched layer calls the connector")
 def test_no_connector_no_wait_no_fence(stack):
     """Plain serving: no transfer group, so the entry adds neither call (and no lock)."""
     gdn, layers, connector, config, _step, _attn = stack
