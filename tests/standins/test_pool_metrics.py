@@ -210,9 +210,10 @@ def test_a_failed_load_is_counted_by_kind_with_its_rollback(library, monkeypatch
     b, tap, f, pool = _load_fault_run(fault)
     assert f.hits == 1
     got = _figures(tap, b)
-    # the 2 keys the failed step saved (block 2 of the GDN and attention groups, the failing rank's
-    # load_failures WARNING names 2), finished as failed by load_failures_saves
-    keys_failed = 2.0
+    # the keys the failed step saved, finished as failed on BOTH ranks: block 2 of the GDN and
+    # attention groups on each (TP 2 over 2 KV heads: both ranks save both), 2 on the failing rank
+    # by load_failures_saves and 2 on the other by load_failures_agreement (issue 32)
+    keys_failed = 4.0
     # rolled back to token 0 (align mode keeps the latest GDN state only): the 32 tokens hit + 16 computed
     mamba = got.pop(MAMBA)
     print(f"\n{fault}: mamba state bytes loaded {mamba:.0f} of a full hit's {_hit_mamba_bytes(b):.0f}")
