@@ -28,6 +28,7 @@ PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
+import rank_procs  # noqa: E402
 from harness_pool import SOAK_SCENARIOS, PoolInstance, engine_loop, make_pool, slow_store, soak  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
@@ -237,7 +238,7 @@ def test_026_a_slow_non_leader_rank_builds_a_backlog_or_stops_the_engine(vllm_lo
     stopped = None
     try:
         soak(inst, seed=0, deadline_s=30.0, **soak_kw)  # the backlog builds in the first seconds
-    except RuntimeError as exc:
+    except (RuntimeError, rank_procs.RankFailure) as exc:  # the rank process's raise comes back as RankFailure
         stopped = exc
     finally:
         fault.gate.set()
