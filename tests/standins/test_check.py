@@ -182,7 +182,9 @@ V030_FIXED = (
 V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool", "pool_hit_boundary", "pool_key_tp")
 #: vLLM 0.30 only (v0300): on v0290 they are out of range (vLLM 0.29's scheduler takes one group's report)
 V030_ONLY_APPLIED = ("pool_load_report_raise", "pool_load_report_copy", "pool_load_report", "pool_load_report_step", "pool_load_rollback", "pool_load_resume_meta",
-                     "pool_load_no_reload", "pool_load_policy")
+                     "pool_load_no_reload", "pool_load_policy",
+                     # issue 32: the TP ranks' agreement and the bounded layer wait
+                     "pool_load_agree_step", "pool_load_agree", "pool_load_agree_drop", "pool_load_wait_step", "pool_load_wait_bound")
 
 
 def _v030_states() -> dict[str, str]:
