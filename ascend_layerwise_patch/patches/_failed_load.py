@@ -205,3 +205,27 @@ def agree_ok() -> str | None:
 #: abandoned (vLLM 0.25's ``load_failures.report`` and 0.30's ``pool_load_recovery.bound``): the
 #: 10 s of upstream's wait loop. 0.30's bound reads it here at each wait (tests shorten it here).
 WAIT_S = 10.0
+
+
+def make_drop_attached(original, *, drop_key: str, dropped: int, counts: Counts):
+    """The layer sending thread's ``_handle_request``: the keys the worker attached to a layer's
+    first task under ``drop_key`` (the agreed failed requests' keys of the step) get the result
+    ``dropped`` before upstream's finish (``write_results.get(key, 0) or res`` keeps it), in the
+    thread itself: no race with its own ``write_results`` updates. Used by the agreement of both
+    release lines (load_failures on 0.25, pool_load_recovery on 0.30)."""
+
+    @functools.wraps(original)
+    def _handle_request(self, request):
+        if isinstance(request, list) and request:  # a layer's tasks (not a range revoke)
+            keys = getattr(request[0], "__dict__", {}).pop(drop_key, None)
+            if keys:
+                results = self.write_results
+                new = [key for key in keys if not results.get(key)]
+                for key in new:
+                    results[key] = dropped
+                if new:
+                    counts.add("keys_dropped", len(new))
+                    pool_events.bump("pool_keys_failed", len(new))
+        return original(self, request)
+
+    return _handle_request

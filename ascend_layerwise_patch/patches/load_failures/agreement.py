@@ -24,7 +24,6 @@ import functools
 import importlib
 import os
 
-from ... import pool_events
 from .. import _failed_load
 from ...host import logger
 from .._checks import Counts
@@ -126,24 +125,8 @@ def make_save_kv_layer(original):
 
 def make_send_handle(original):
     """The layer sending thread: the keys the worker attached to the final layer's first task get a
-    failed result before upstream's finish (``write_results.get(key, 0) or res`` keeps it), in the
-    thread itself: no race with its own ``write_results`` updates."""
-
-    @functools.wraps(original)
-    def _handle_request(self, transfer_tasks):
-        if isinstance(transfer_tasks, list) and transfer_tasks:
-            keys = getattr(transfer_tasks[0], "__dict__", {}).pop(_DROP_KEYS, None)
-            if keys:
-                results = self.write_results
-                new = [key for key in keys if not results.get(key)]
-                for key in new:
-                    results[key] = DROPPED
-                if new:
-                    COUNTS.add("keys_dropped", len(new))
-                    pool_events.bump("pool_keys_failed", len(new))
-        return original(self, transfer_tasks)
-
-    return _handle_request
+    failed result before upstream's finish (``_failed_load.make_drop_attached``)."""
+    return _failed_load.make_drop_attached(original, drop_key=_DROP_KEYS, dropped=DROPPED, counts=COUNTS)
 
 
 # ----------------------------------------------------------------------------- checks on targets

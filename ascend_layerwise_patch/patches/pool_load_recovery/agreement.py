@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import os
 
-from ... import pool_events
 from .. import _failed_load
 from ...host import logger
 from .._checks import Counts
@@ -103,23 +102,8 @@ def make_save_kv_layer(original):
 
 def make_send_handle(original):
     """The layer sending thread: the keys the worker attached to the final layer's first task get a
-    failed result before upstream's finish, in the thread itself."""
-
-    @functools.wraps(original)
-    def _handle_request(self, request):
-        if isinstance(request, list) and request:  # a layer's tasks (not a range revoke)
-            keys = getattr(request[0], "__dict__", {}).pop(_DROP_KEYS, None)
-            if keys:
-                results = self.write_results
-                new = [key for key in keys if not results.get(key)]
-                for key in new:
-                    results[key] = DROPPED
-                if new:
-                    COUNTS.add("keys_dropped", len(new))
-                    pool_events.bump("pool_keys_failed", len(new))
-        return original(self, request)
-
-    return _handle_request
+    failed result before upstream's finish (``_failed_load.make_drop_attached``)."""
+    return _failed_load.make_drop_attached(original, drop_key=_DROP_KEYS, dropped=DROPPED, counts=COUNTS)
 
 
 def _save_ok(original) -> str | None:
