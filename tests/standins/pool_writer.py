@@ -25,13 +25,8 @@ def main(out: str, model_dir: str, none_hash: str, tp: int = 1, kv_heads: int = 
     import ascend_layerwise_patch
     import byte_store
     import harness_pool
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core import kv_cache_utils
 
-    harness_pool._runtime()
-    kv_cache_utils.init_none_hash(sha256)
-    kv_cache_utils.NONE_HASH = kv_cache_utils.BlockHash(bytes.fromhex(none_hash))
-    harness_pool._RT.none_hash = True
+    harness_pool.set_none_hash(bytes.fromhex(none_hash))
     reg = ascend_layerwise_patch.REGISTRY
     for lib in ("off", "on"):
         reg.revert()

@@ -217,7 +217,7 @@ def test_every_gdn_layer_reads_the_right_state(library_on, name):
 def library_off():
     import harness_pool
 
-    harness_pool._runtime()  # every target imported first: a pending hook would re-apply on import
+    harness_pool.setup_runtime()  # every target imported first: a pending hook would re-apply on import
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     assert not [st.name for st in reg.status() if st.state == APPLIED]
@@ -231,9 +231,9 @@ def test_library_off_reads_wrong_states(library_off, monkeypatch):
     import harness_pool
 
     if PAIR == "v0260":  # its waits have no time limit: a step is fast or hung, never 10 s per layer
-        monkeypatch.setattr(harness_pool, "STEP_LIMIT_S", 5.0)  # a step here takes well under 1 s
+        monkeypatch.setattr(harness_pool.timing, "STEP_LIMIT_S", 5.0)  # a step here takes well under 1 s
     else:  # 0.25.1rc1 waits 10 s for each layer whose load never comes, then computes: 0.5 s here
-        monkeypatch.setattr(harness_pool, "LOAD_WAIT_SCALE", 0.05)
+        monkeypatch.setattr(harness_pool.timing, "LOAD_WAIT_SCALE", 0.05)
     table = {name: _or_hung(name) for name in SCENARIOS}
     print("\nlibrary off: scenario -> (wrong GDN reads, wrong attention blocks, first-step start)")
     for name, row in table.items():

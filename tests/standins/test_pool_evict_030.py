@@ -132,7 +132,7 @@ def test_eviction_of_one_group_s_keys_stops_the_engine_too(library_off, which):
 @pytest.mark.control("the library reverted inside the test: upstream's own behaviour, the same without the library")
 @pytest.mark.parametrize("kind", ["error", "raise"])  # the copy returns an error / raises
 def test_a_failed_load_copy_stops_the_engine_too(library_off, monkeypatch, kind):
-    monkeypatch.setattr(harness_pool, "LOAD_WAIT_SCALE", 0.01)  # the layer's 10 s wait before it looks: 0.1 s
+    monkeypatch.setattr(harness_pool.timing, "LOAD_WAIT_SCALE", 0.01)  # the layer's 10 s wait before it looks: 0.1 s
     pool = _filled_pool()
     b = PoolInstance(pool, name="B")
     fault = pool.add_fault(kind, direction=G2L, times=1, match=_of_group(b, "gdn"))

@@ -101,7 +101,7 @@ def test_library_off_reads_wrong_states():
     """The whole library off (every group reverted): the same 2 wrong reads and a wrong token."""
     import harness_pool
 
-    harness_pool._runtime()
+    harness_pool.setup_runtime()
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     try:

@@ -29,7 +29,7 @@ if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 from byte_store import G2L  # noqa: E402
-from harness_pool import PoolInstance, _model_dir, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
+from harness_pool import PoolInstance, checkpoint_dir, differing_tokens, engine_loop, make_pool, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -169,7 +169,7 @@ def test_a_pool_written_without_the_library_is_never_read(activate):
 
 # ---------------------------------------------------------------- checkpoints of the same name
 def test_two_checkpoints_in_folders_of_the_same_name_share_no_key(activate):
-    one, two = _model_dir("GAGA", 2, "Qwen3-Next"), _model_dir("GAGA", 2, "Qwen3-Next")
+    one, two = checkpoint_dir("GAGA", 2, "Qwen3-Next"), checkpoint_dir("GAGA", 2, "Qwen3-Next")
     assert one != two and os.path.basename(one) == os.path.basename(two)
     for off in ((), ("pool_key_layout",)):
         activate(off=off)
@@ -187,7 +187,7 @@ def test_the_model_id_switch_names_one_checkpoint_under_two_paths(activate, monk
     """Instances mounting one checkpoint under different paths share keys when they name it."""
     monkeypatch.setenv(pool_key_layout.ENV_MODEL_ID, "qwen3-next-80b-a3b@rev1")
     activate()
-    one, two = _model_dir("GAGA", 2, "ckpt-a"), _model_dir("GAGA", 2, "ckpt-b")
+    one, two = checkpoint_dir("GAGA", 2, "ckpt-a"), checkpoint_dir("GAGA", 2, "ckpt-b")
     pool = make_pool()
     _a, b, loaded = _hit(pool, dict(model_dir=one), dict(model_dir=two))
     assert loaded and _wrong(b, pool) == 0

@@ -54,14 +54,10 @@ def test_pool_written_by_older_release_is_read_right_by_030(tmp_path, writer):
     if python is None:
         pytest.skip(f"no {writer} venv next to this one (scripts/env.sh {writer}; the whole matrix builds every pair first)")
     old = WRITERS[writer]
-    from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
 
-    harness_pool._runtime()
-    if not getattr(harness_pool._RT, "none_hash", False):
-        kv_cache_utils.init_none_hash(sha256)
-        harness_pool._RT.none_hash = True
-    model_dir = harness_pool._model_dir("GAGA", 2, folder="qwen3next-upgrade")
+    harness_pool.set_none_hash()
+    model_dir = harness_pool.checkpoint_dir("GAGA", 2, folder="qwen3next-upgrade")
     out = tmp_path / "pool"
     env_path = str(ROOT)
     proc = subprocess.run(

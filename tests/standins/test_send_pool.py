@@ -26,7 +26,7 @@ PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
-from harness_pool import PoolInstance, _runtime, engine_loop, make_pool  # noqa: E402
+from harness_pool import PoolInstance, engine_loop, make_pool, setup_runtime  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -71,7 +71,7 @@ def test_send_integrity_group_applies(patched):
 
 @pytest.fixture
 def unpatched():
-    _runtime()  # once per process: loads vLLM's general plugins, ours included (which activates)
+    setup_runtime()  # once per process: loads vLLM's general plugins, ours included (which activates)
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     yield
@@ -199,7 +199,7 @@ def test_faulty_layer_never_ready(patched, kind, tp):
 def test_unpatched_raising_layer_publishes_a_gap(unpatched, monkeypatch):
     import harness_pool
 
-    monkeypatch.setattr(harness_pool, "LOAD_WAIT_SCALE", 0.05)  # B's loads that never come: 0.5 s, not 10 s
+    monkeypatch.setattr(harness_pool.timing, "LOAD_WAIT_SCALE", 0.05)  # B's loads that never come: 0.5 s, not 10 s
     _pool, s = _faulty_save("raise", 1)
     print(f"\nunpatched raise: {s}")
     assert s["ready_with_gaps"] > 0 and s["wrong_reads_on_b"] > 0

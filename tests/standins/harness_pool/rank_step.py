@@ -1,0 +1,250 @@
+"""A rank's step: ``NPUModelRunner.execute_model``'s order replayed, each layer's compute stand-in
+and TP's all-reduce of the hidden state (:class:`_RankStep`, the half of
+:class:`~harness_pool.rank._Rank` that runs a step), and what each layer read (:class:`GDNRead`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch as _torch
+
+from .model import _h40, sample, state_value, true_hidden, true_output
+from .runtime import _transfer_group, setup_runtime
+
+
+@dataclass
+class GDNRead:
+    """What a layer found in a request's block when it read it (GDN state, or an attention block)."""
+
+    instance: str
+    rank: int
+    step: int
+    req_id: str
+    layer: str
+    kind: str  # "gdn" | "attn"
+    block_index: int
+    block_id: int
+    expected: int  # tokens the content must cover
+    actual: int | str  # tokens it covers, or "null" / "zero" / "other"
+
+    @property
+    def ok(self) -> bool:
+        return self.actual == self.expected
+
+
+class _GDNComputed(Exception):
+    """Raised from the state read inside the original ``_forward_core``: the harness computed."""
+
+
+class _RankStep:
+    """The step half of one TP rank (:class:`~harness_pool.rank._Rank` builds its caches, layers and
+    worker connector half): the layers' compute stand-ins, the hidden state, execute_model replayed."""
+
+    # ------------------------------------------------------------------ compute stand-ins
+    def gdn_compute(self, name: str) -> None:
+        inst, so = self.inst, self.so
+        layer = inst.layer_index[name]
+        group = inst.group_of[name]
+        tensors = list.__iter__(self.layers[name].kv_cache)
+        tensors = list(tensors)
+        key = self.rank_key(name)
+        bs = inst.block_size
+        outputs = {}
+        for req_id in self.input_batch.req_ids:
+            st = self.requests[req_id]
+            tokens = self._tokens(st)
+            done, n = st.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            idx = (done + n - 1) // bs  # mamba_get_block_table_tensor (align): the block GDN reads and writes
+            block_id = st.block_ids[group][idx]
+            nbytes = sum(t[0].numel() * t[0].element_size() for t in tensors)
+            ok, raw = True, b""
+            if done > 0:  # has_initial_state
+                raw = self._block_bytes(tensors, block_id)
+                actual = self._decode(raw, tokens, layer, key, block_id)
+                inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, name, "gdn", idx, block_id, done, actual))
+                ok = actual == done
+            outputs[req_id] = out = self._layer_output(req_id, tokens[: done + n], layer, ok, raw)
+            value = state_value(tokens[: done + n], layer, key, nbytes)
+            if out is not None:  # computed on a wrong state or hidden state: so is everything after
+                value = state_value([*tokens[: done + n], -1, out], layer, key, nbytes)
+            if block_id == 0:  # vLLM's null block (BlockPool's first): shared by every request
+                inst.null_writes.append((inst.steps, req_id, name))
+            self._write_block(tensors, block_id, value)
+        self._all_reduce(layer, outputs)
+
+    def attention(self, query, layer_name):
+        inst, so = self.inst, self.so
+        layer = inst.layer_index[layer_name]
+        group = inst.group_of[layer_name]
+        k, v = self.layers[layer_name].kv_cache
+        key = self.rank_key(layer_name)
+        bs = inst.block_size
+        nbytes = k[0].numel() * k[0].element_size() * 2
+        outputs = {}
+        for req_id in self.input_batch.req_ids:
+            st = self.requests[req_id]
+            tokens = self._tokens(st)
+            done, n = st.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            ok, raw = True, []
+            for b in range(-(-done // bs)):
+                block_id = st.block_ids[group][b]
+                want = min((b + 1) * bs, done)
+                raw.append(self._block_bytes((k, v), block_id))
+                actual = self._decode(raw[-1], tokens, layer, key, block_id)
+                inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, layer_name, "attn", b, block_id, want, actual))
+                ok = ok and actual == want
+            end = done + n
+            outputs[req_id] = out = self._layer_output(req_id, tokens[:end], layer, ok, b"".join(raw))
+            for b in range(done // bs, -(-end // bs)):
+                upto = min((b + 1) * bs, end)
+                # the KV of this step's tokens is computed from the hidden state coming in
+                value = state_value(tokens[:upto], layer, key, nbytes) if out is None else state_value([*tokens[:upto], -1, out], layer, key, nbytes)
+                self._write_block((k, v), st.block_ids[group][b], value)
+        self._all_reduce(layer, outputs)
+        return query
+
+    # ------------------------------------------------------------------ the hidden state
+    def _layer_output(self, req_id: str, tokens, layer: int, read_ok: bool, raw: bytes) -> int | None:
+        """This rank's slice of the layer's output for ``req_id``: None when it is the true one (right
+        bytes read, right hidden state coming in), else a hash of the hidden state and the bytes read."""
+        if read_ok and self.clean[req_id]:
+            return None
+        return _h40("corrupt", layer, self.rank, self.hidden[req_id], raw)
+
+    def _all_reduce(self, layer: int, outputs: dict) -> None:
+        """TP's all-reduce of the layer's output slices: a SUM over the TP group's CPU (gloo) group
+        when the ranks are processes; one rank's own slice otherwise (the instance sums the ranks'
+        last hidden states when it samples, :meth:`PoolInstance._combine`)."""
+        reqs = self.input_batch.req_ids
+        ends = {r: self._tokens(self.requests[r])[: self.requests[r].num_computed_tokens + self.so.num_scheduled_tokens[r]] for r in reqs}
+        mine = [true_output(ends[r], layer, self.rank) if outputs[r] is None else outputs[r] for r in reqs]
+        if self.group is None:
+            for r, value in zip(reqs, mine):
+                self.hidden[r], self.clean[r] = value, outputs[r] is None
+            return
+        import torch.distributed as dist
+
+        summed = _torch.tensor(mine, dtype=_torch.int64)
+        dist.all_reduce(summed, group=self.group)
+        for r, value in zip(reqs, summed.tolist()):
+            self.hidden[r], self.clean[r] = value, value == true_hidden(ends[r], layer, self.inst.tp)
+
+    # ------------------------------------------------------------------ execute_model, replayed
+    def _update_states(self, so) -> None:
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                mm_features=[],
+                sampling_params=new.sampling_params,
+                generator=None,
+                block_ids=tuple(list(ids) for ids in new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=[],
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests[req_id]
+            st.num_computed_tokens = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = tuple(list(ids) for ids in new_ids)
+                st.output_token_ids = list(st.output_token_ids[: cached.num_output_tokens[i]])
+                continue
+            if cached.num_output_tokens[i] < len(st.output_token_ids):
+                # the scheduler discarded output tokens (a KV load failure rolled the request back):
+                # the runner aligns its cached state, as vLLM's GPU runner does
+                del st.output_token_ids[cached.num_output_tokens[i] :]
+            if new_ids is not None:
+                for ids, more in zip(st.block_ids, new_ids):
+                    ids.extend(more)
+        self.input_batch.req_ids = [r for r in so.num_scheduled_tokens if r in self.requests]
+        self.input_batch.num_accepted_tokens_cpu[:] = 1
+
+    def execute(self, so):
+        rt = setup_runtime()
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+        self.so = so
+        with _transfer_group(self.connector):
+            if self.connector is not None:
+                self.connector.handle_preemptions(so.kv_connector_metadata)
+            self._update_states(so)
+            # every request enters the first layer with the true embedding of its tokens
+            self.hidden = dict.fromkeys(self.input_batch.req_ids, 0)
+            self.clean = dict.fromkeys(self.input_batch.req_ids, True)
+            if not so.total_num_scheduled_tokens:
+                if self.connector is None:
+                    return EMPTY_MODEL_RUNNER_OUTPUT
+                return rt.runner.kv_connector_no_forward(so, self.config)
+            bufs = self.mamba_bufs.preprocess
+            rt.runner_module.mamba_utils.preprocess_mamba(
+                so,
+                self.kv_cache_config,
+                self.config.cache_config,
+                self.mamba_state_idx,
+                self.input_batch,
+                self.requests,
+                self.config.compilation_config.static_forward_context,
+                self.inst.copy_funcs,
+                bufs,
+            )
+            metadata = {name: GDNAttentionMetadata(1, 1, 0, 0, 0, 0, 1) for name in self.inst.gdn_layers}
+            metadata.update({name: object() for name in self.inst.attn_layers})
+            defer = self.config.speculative_config is not None
+            with (
+                set_forward_context(metadata, self.config, slot_mapping={}),
+                rt.runner.maybe_get_kv_connector_output(so, defer_finalize=defer) as kv_output,
+            ):
+                # vllm-ascend 0.30's runner: a connector with prepare_mamba_state_copy stages the copy per
+                # layer (after each layer's load) and is told finish_mamba_state_copy after the forward
+                staged = getattr(self.connector, "prepare_mamba_state_copy", None)
+                staged = self.connector if callable(staged) and staged(bufs) else None
+                if staged is None:
+                    rt.runner_module.mamba_utils.do_mamba_copy_block(bufs)
+                self._forward()
+                if staged is not None:
+                    staged.finish_mamba_state_copy()
+        out_tokens = []
+        for req_id in self.input_batch.req_ids:
+            st = self.requests[req_id]
+            tokens = self._tokens(st)
+            end = st.num_computed_tokens + so.num_scheduled_tokens[req_id]
+            out_tokens.append([sample(tokens[:end], self.hidden[req_id], self.clean[req_id])] if end >= len(tokens) else [])
+        return ModelRunnerOutput(
+            req_ids=list(self.input_batch.req_ids),
+            req_id_to_index={r: i for i, r in enumerate(self.input_batch.req_ids)},
+            sampled_token_ids=out_tokens,
+            kv_connector_output=kv_output,
+        )
+
+    def accept(self, output) -> None:
+        """The runner keeps the tokens sampled this step (the same on every rank)."""
+        for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
+            if toks and req_id in self.requests:
+                self.requests[req_id].output_token_ids.extend(toks)
+
+    def _forward(self) -> None:
+        rt = setup_runtime()
+        self.in_forward = True
+        try:
+            for name in self.inst.layer_order:
+                if name in self.inst.gdn_layers:
+                    t = _torch.zeros(1, 1)
+                    try:
+                        self.layers[name]._forward_core(t, t, t, t)
+                    except _GDNComputed:
+                        pass
+                    else:
+                        raise AssertionError(f"{name}: _forward_core returned without reading its state")
+                    rt.gdn.maybe_save_kv_layer_to_connector("", [])  # the original's own last line
+                else:
+                    self.inst.attention_op(_torch.zeros(1), name)
+        finally:
+            self.in_forward = False
