@@ -3,7 +3,7 @@ deferred block frees, side by side in one process.
 
     .matrix/v0251/bin/python scripts/bench_async_fences.py [--quick]
 
-CPU, NPU runtime stood in, real vLLM 0.25.1 + vllm-ascend 0.25.1rc1 objects (tests/standins/harness_pool.py):
+CPU, NPU runtime stood in, real vLLM 0.25.1 + vllm-ascend 0.25.1rc1 objects (tests/standins/harness_pool):
 a kv_producer PoolInstance with async scheduling (EngineCore's batch queue, depth 2) serves a random
 workload with aborts (``harness_pool.soak``: 40 requests of 20-300 tokens, 16 running, a quarter of
 them sharing a prefix, a fast store). The patch only sets vLLM's ``defer_block_free`` at start-up;

@@ -3,7 +3,7 @@
     .matrix/v0251/bin/python scripts/bench_pool_metrics.py [--quick]
 
 CPU, NPU runtime stood in, real vLLM 0.25.1 + vllm-ascend 0.25.1rc1 objects (made as
-tests/standins/harness_pool.py makes them). Per step vLLM calls ``get_kv_connector_stats`` once on
+tests/standins/harness_pool makes them). Per step vLLM calls ``get_kv_connector_stats`` once on
 every worker (``KVConnectorModelRunnerMixin``) and once on the scheduler (``update_from_output``);
 upstream's is the base class's ``return None``. Timed: a worker half and the scheduler half with
 nothing to report (the steady state), the scheduler with open send events that did not change

@@ -3,7 +3,7 @@
     .matrix/v0251/bin/python scripts/bench_send_integrity.py [--quick]
 
 CPU, NPU runtime stood in, real vLLM 0.25.1 + vllm-ascend 0.25.1rc1 objects (made as
-tests/standins/harness_pool.py makes them). Scheduler side -- the only scheduler code this change
+tests/standins/harness_pool makes them). Scheduler side -- the only scheduler code this change
 adds is ``AscendStoreConnector.has_pending_push_work``, which vLLM's ``Scheduler.has_requests()``
 consults (after ``has_unfinished_requests()`` and ``has_finished_requests()``, so only when no
 request is left) from ``EngineCoreProc.has_work()`` and ``EngineCore.step()``: timed with no open

@@ -2,7 +2,7 @@
 
     .matrix/v0251/bin/python scripts/bench_shedding.py [--quick]
 
-CPU, NPU runtime stood in, real vLLM 0.25.1 + vllm-ascend 0.25.1rc1 objects (tests/standins/harness_pool.py).
+CPU, NPU runtime stood in, real vLLM 0.25.1 + vllm-ascend 0.25.1rc1 objects (tests/standins/harness_pool).
 The bound adds scheduler code only: a wrapper on ``KVPoolScheduler.build_connector_meta`` (sums the
 block references of the open send events once per step) and one check per saving request in the
 lifetime patch's ``touch_sending_mamba_blocks``. "Today's code" is the same process with

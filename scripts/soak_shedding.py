@@ -3,7 +3,7 @@
     .matrix/v0251/bin/python scripts/soak_shedding.py [--quick] [--seeds 5] [--scenario slow,preempt,tp2]
         [--modes shed,off,nosave] [--deadline 120]
 
-CPU, NPU runtime stood in, the pool harness of tests/standins/harness_pool.py (vLLM's real Scheduler,
+CPU, NPU runtime stood in, the pool harness of tests/standins/harness_pool (vLLM's real Scheduler,
 vllm-ascend's AscendStore halves and layer threads, byte-level MemCache with a slow store; save_kv_layer's
 10 s wait scaled to 30 ms). Modes: ``shed`` (this library, default bound), ``off``
 (``ASCEND_LAYERWISE_PATCH_SEND_BACKLOG=off``: the library without the bound), ``shed<N>`` (the step

@@ -1,6 +1,6 @@
 """Issue 10: every GDN layer starts from the right state on every prefix hit.
 
-On the pool harness (tests/standins/harness_pool.py): vLLM 0.25.1's (0.26.0's) Scheduler + KVCacheManager in
+On the pool harness (tests/standins/harness_pool): vLLM 0.25.1's (0.26.0's) Scheduler + KVCacheManager in
 mamba align mode with vllm-ascend's process-wide patches, the AscendStore connector's halves from
 KVConnectorFactory (use_layerwise, MemCache backend), the real layer threads, a byte-level pool,
 and ``execute_model``'s order replayed. Each state names its content ("layer L after the first t

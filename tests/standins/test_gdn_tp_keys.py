@@ -1,6 +1,6 @@
 """Layerwise pool at TP > KV heads: every rank saves, keys and loads its own GDN slice.
 
-Harness: tests/standins/harness_pool.py (``PoolInstance``: vLLM's real Scheduler, the AscendStore
+Harness: tests/standins/harness_pool (``PoolInstance``: vLLM's real Scheduler, the AscendStore
 connector halves from KVConnectorFactory, one worker half per TP rank, the real layer threads, a
 byte-level MemCache). Every GDN state value names its layer, its token prefix and its TP slice, so a
 rank that starts from another rank's slice reads a wrong state (``PoolInstance.wrong_reads``).

@@ -1,6 +1,6 @@
 """Layerwise loads that fail, raise or stay blocked: vLLM is told in the same step, and recomputes.
 
-Harness: tests/standins/harness_pool.py (``PoolInstance``: vLLM's real Scheduler with its
+Harness: tests/standins/harness_pool (``PoolInstance``: vLLM's real Scheduler with its
 ``kv_load_failure_policy``, the AscendStore connector halves from KVConnectorFactory, the real layer
 receiving thread, a byte-level MemCache whose copies can be made to fail, raise or block). Instance
 A fills the pool; instance B hits its first 32 tokens for request "b" while request "c" (no hit)

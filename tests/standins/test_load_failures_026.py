@@ -1,7 +1,7 @@
 """vllm-ascend 0.26.0rc1 stops the engine on a failed hybrid layerwise load (fail-fast by design):
 the keys the failing step saved never become ready before it stops.
 
-Harness: tests/standins/harness_pool.py. Instance A fills the pool with a 40-token prompt; B hits its
+Harness: tests/standins/harness_pool. Instance A fills the pool with a 40-token prompt; B hits its
 first 32 tokens for a prompt with 16 new tokens after them (so the failing step saves a full block of
 each group), and its load of the last GDN or the last attention layer (the final layer: every
 earlier layer's save is already queued) fails: the copy returns an error, raises, or the key is

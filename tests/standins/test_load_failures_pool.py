@@ -1,6 +1,6 @@
 """A failed layerwise load costs time, never tokens: what the failed step saved is never published.
 
-Harness: tests/standins/harness_pool.py (``PoolInstance``: vLLM's real Scheduler, the AscendStore
+Harness: tests/standins/harness_pool (``PoolInstance``: vLLM's real Scheduler, the AscendStore
 connector halves, the real layer threads, a byte-level MemCache with faults). Instance A fills the
 pool with a 40-token prompt (2 full blocks of 16 tokens). Instance B (policy ``recompute``) hits
 those 32 tokens for a prompt with 16 new tokens after them, and its first GDN load fails: the copy

@@ -4,7 +4,7 @@
 hit deeper in full attention than in the GDN group starts GDN from a state nobody cached. Group
 ``mamba_local_hit`` (its joint hit gives every group the same length) applies there.
 
-On the pool harness (tests/standins/harness_pool.py) running vLLM 0.30.0's Scheduler (vllm-ascend's
+On the pool harness (tests/standins/harness_pool) running vLLM 0.30.0's Scheduler (vllm-ascend's
 BalanceScheduler) in mamba align mode, vllm-ascend 0.30.0rc2's AscendStore connector halves, the
 byte-level pool and 0.30's runner order. One instance serves A (40 tokens, one chunk), then B = A's
 first 16 tokens + 5 others: a local hit of one block in full attention. Control: the same with

@@ -1,6 +1,6 @@
 """Block lifetime under layerwise sends: the seed's race, our protocol, the upstream leak.
 
-Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM's real Scheduler / KVCacheManager
+Harness: tests/standins/harness_pool's ``PoolInstance`` (vLLM's real Scheduler / KVCacheManager
 in mamba align mode, the AscendStore halves from KVConnectorFactory, real layer threads, the
 byte-level MemCache of byte_store) driven by ``Lifetime`` (requests whose save copies are fast,
 held at a gate, failing or raising; vLLM's own abort and preemption) with ``BlockOwners``: every

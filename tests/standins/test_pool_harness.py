@@ -1,4 +1,4 @@
-"""Smoke test of the pool harness (tests/standins/harness_pool.py, the ``PoolInstance`` part).
+"""Smoke test of the pool harness (tests/standins/harness_pool, the ``PoolInstance`` part).
 
 Real vLLM 0.25.1 / 0.26.0 Scheduler / KVCacheManager (align mode) + vllm-ascend's AscendStore connector
 halves from KVConnectorFactory + real layer threads, over the byte-level MemCache stand-in.

@@ -1,7 +1,7 @@
 """Issue 25 (a): on vllm-ascend 0.30.0rc2 a hybrid request whose whole prompt is in the pool resumes
 on a saved GDN-state boundary (group ``pool_hit_boundary``), not at prompt length - 1.
 
-On the pool harness (tests/standins/harness_pool.py) running vLLM 0.30.0's Scheduler in mamba align
+On the pool harness (tests/standins/harness_pool) running vLLM 0.30.0's Scheduler in mamba align
 mode, vllm-ascend 0.30.0rc2's AscendStore connector halves (use_layerwise, MemCache backend, GVA data
 plane, the coordinator's reachable-hit lookup), the byte-level pool and 0.30's runner order (the
 connector's staged per-layer mamba copy). Instance A serves a 40-token prompt; instance B, same pool,

@@ -1,6 +1,6 @@
 """Issue 22: a layerwise pool key names the layout its bytes depend on; another layout reads a miss.
 
-On the pool harness (tests/standins/harness_pool.py: vLLM's real Scheduler, the AscendStore halves
+On the pool harness (tests/standins/harness_pool: vLLM's real Scheduler, the AscendStore halves
 from KVConnectorFactory, one worker half per TP rank, the real layer threads, a byte-level
 MemCache). Every state / KV block value names what it covers -- layer, token prefix, and the slice of
 heads the rank holds (rank r of TP t for GDN, the KV heads for attention) -- so a rank that loads

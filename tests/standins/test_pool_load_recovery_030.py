@@ -10,7 +10,7 @@ the worker raises and the engine ends. Library on: every request finishes with t
 without a pool hit, no token of the failed step is delivered, nothing read after the failed step is
 wrong, no GDN state is written into the null block, no key the failed step saved is ready, every
 read lease is released, and a request c with b1's prompt as prefix, run on B afterwards, reads
-nothing stale. On the pool harness (tests/standins/harness_pool.py), v0300 only.
+nothing stale. On the pool harness (tests/standins/harness_pool), v0300 only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue 26: the pool's health reaches vLLM's /metrics and its "KV Transfer metrics" log line.
 
-Harness: tests/standins/harness_pool.py (``PoolInstance``: vLLM's real Scheduler, the AscendStore
+Harness: tests/standins/harness_pool (``PoolInstance``: vLLM's real Scheduler, the AscendStore
 connector halves on every TP rank, vLLM's ``KVOutputAggregator``, a byte-level MemCache with faults)
 and its ``StatsTap`` (the scheduler's ``log_stats`` on; every ``SchedulerStats`` handed to vLLM's own
 ``PrometheusStatLogger`` -- registry of its own -- and ``KVConnectorLogging``). Each scenario is one

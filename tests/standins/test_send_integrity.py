@@ -1,6 +1,6 @@
 """Layerwise send integrity: no pool key finished as ready with an unwritten layer slot.
 
-Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM's real Scheduler, the AscendStore
+Harness: tests/standins/harness_pool's ``PoolInstance`` (vLLM's real Scheduler, the AscendStore
 halves from KVConnectorFactory, real layer threads, save_kv_layer's 10 s wait scaled to 30 ms)
 driven by ``Lifetime`` (requests whose save copies misbehave on one layer: held at a gate, failing,
 raising); the byte-level MemCache of byte_store records, per key, the layer slots written by copies

@@ -2,7 +2,7 @@
 with an unwritten layer, a hung copy is reported (real time: save_kv_layer's own 10 s wait).
 (tests/standins/test_send_integrity.py has the hung copy time scaled, with ``Lifetime``.)
 
-Harness: tests/standins/harness_pool.py's ``PoolInstance`` (vLLM 0.25.1's / 0.26.0's Scheduler and
+Harness: tests/standins/harness_pool's ``PoolInstance`` (vLLM 0.25.1's / 0.26.0's Scheduler and
 KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the byte-level
 MemCache of byte_store) and ``engine_loop`` (steps only while ``has_work()``, as EngineCoreProc).
 """

@@ -1,7 +1,7 @@
 """Never stall: a layerwise store slower than the model sheds saves instead of pinning the block pool
 (issue 23; ``patches/mamba_lifetime/send_shedding.py``).
 
-Harness: tests/standins/harness_pool.py's ``PoolInstance`` and its ``soak`` driver (vLLM's real
+Harness: tests/standins/harness_pool's ``PoolInstance`` and its ``soak`` driver (vLLM's real
 Scheduler and KVCacheManager, AscendStore halves from KVConnectorFactory, real layer threads, the
 byte-level MemCache of byte_store with a slow store: every save copy 1.5-6x save_kv_layer's wait,
 scaled to 30 ms, 3% of them hanging 0.5 s, i.e. several forward steps). The loop steps only while
