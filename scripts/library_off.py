@@ -24,14 +24,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _cases(junit: Path):
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        path = case.get("classname", "").replace(".", "/")
+        yield f"{path}.py::{case.get('name')}", case
+
+
 def _outcomes(junit: Path) -> dict[str, str]:
     """test id -> passed | failed | skipped, from a junit xml file."""
     out = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        path = case.get("classname", "").replace(".", "/")
-        test_id = f"{path}.py::{case.get('name')}"
+    for test_id, case in _cases(junit):
         kinds = {child.tag for child in case}
         out[test_id] = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+    return out
+
+
+def _evidence(junit: Path) -> dict[str, list[str]]:
+    """test id -> what its failure says: the assertion's first line and the counts it printed of
+    differing tokens / wrong reads (the tests print them before asserting)."""
+    out = {}
+    for test_id, case in _cases(junit):
+        failure = case.find("failure")
+        if failure is None:
+            failure = case.find("error")
+        if failure is None:
+            continue
+        lines = [(failure.get("message") or "").splitlines()[0][:200]] if failure.get("message") else []
+        printed = "\n".join(child.text or "" for child in case if child.tag == "system-out")
+        lines += [line.strip()[:240] for line in printed.splitlines() if "differ" in line or "wrong" in line][:4]
+        out[test_id] = lines
     return out
 
 
@@ -43,7 +64,8 @@ def _workers() -> list[str]:
 
 def _run(python: str, env: dict[str, str], junit: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", *_workers(), f"--junitxml={junit}", "tests/standins", *args],
+        [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", *_workers(), f"--junitxml={junit}",
+         "-o", "junit_logging=system-out", "tests/standins", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -69,7 +91,7 @@ def check_pair(pair: str, root: Path) -> bool:
         on_xml, off_xml = Path(tmp) / "on.xml", Path(tmp) / "off.xml"
         _run(python, base, on_xml)
         _run(python, {**base, "ASCEND_LAYERWISE_PATCH": "0"}, off_xml)
-        on, off = _outcomes(on_xml), _outcomes(off_xml)
+        on, off, evidence = _outcomes(on_xml), _outcomes(off_xml), _evidence(off_xml)
     controls = _controls(python, base)
     both = {t for t, o in on.items() if o == "passed" and off.get(t) == "passed"}
     fail_off = sorted(t for t, o in on.items() if o == "passed" and off.get(t) == "failed")
@@ -80,6 +102,8 @@ def check_pair(pair: str, root: Path) -> bool:
           f"{len(failing_on)} failed; library off: {len(fail_off)} of them fail, {len(both)} pass (controls: {len(controls)})")
     for t in fail_off:
         print(f"  fails without the library: {t}")
+        for line in evidence.get(t, []):
+            print(f"      {line}")
     for t in sorted(both):
         print(f"  passes in both modes{' (declared control)' if t in controls else ''}: {t}")
     for t in failing_on:

@@ -7,7 +7,7 @@ import importlib.util
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..registry import Expect
 from ..registry import PatchSpec as _Spec
@@ -141,9 +141,19 @@ def upstream_preempts(handle_invalid) -> str | None:
     return None
 
 
-def upstream_preempts_any(_original) -> str | None:
-    """``upstream_preempts`` of the installed scheduler, for a spec on another target."""
-    return upstream_preempts(lookup(SCHEDULER)._handle_invalid_blocks)
+def detect_at(path: str, detector: Callable[[object], str | None]) -> Callable[[object], str | None]:
+    """A spec's ``fixed_upstream`` that runs ``detector`` on another target (``path``, looked up when
+    the check runs): the patches of one group skip together when the fix shows in one place."""
+
+    def detect(_original) -> str | None:
+        return detector(lookup(path))
+
+    detect.__name__ = detect.__qualname__ = f"{getattr(detector, '__name__', 'detector')}_at"
+    return detect
+
+
+#: ``upstream_preempts`` of the installed scheduler, for a spec on another target
+upstream_preempts_any = detect_at(f"{SCHEDULER}._handle_invalid_blocks", upstream_preempts)
 
 
 def upstream_keeps_resumed(build_meta) -> str | None:

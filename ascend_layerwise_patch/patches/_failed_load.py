@@ -191,8 +191,16 @@ def tp_agree(local: list[bool], timeout_s: float) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
-def agree_ok() -> str | None:
-    """What :func:`tp_agree` needs of torch and vLLM (a spec's precondition calls it)."""
+def agree_ok(save_kv_layer=None) -> str | None:
+    """What the agreement needs: the worker's ``save_kv_layer`` (when given) as both release lines
+    have it (its final-layer bookkeeping), and what :func:`tp_agree` needs of torch and vLLM."""
+    if save_kv_layer is not None:
+        problem = expects(
+            ["self", "connector_metadata"],
+            needs=("current_layer", "num_layers", "layer_save_tasks", "send_thread.add_request"),
+        )(save_kv_layer)
+        if problem:
+            return problem
     dist = importlib.import_module("torch.distributed")
     if "timeout" not in dir(getattr(dist, "AllreduceOptions", object)):
         return "torch.distributed.AllreduceOptions has no per-operation timeout"
@@ -207,9 +215,27 @@ def agree_ok() -> str | None:
 WAIT_S = 10.0
 
 
-def make_drop_attached(original, *, drop_key: str, dropped: int, counts: Counts):
+#: a final-layer LayerTransferTask's attribute: the keys its sending thread finishes as failed
+DROP_KEYS = "_ascend_layerwise_patch_drop_keys"
+
+
+def attach_drops(worker, requests, failed: Callable[[object], bool]) -> None:
+    """On the forward thread, at the final layer's save: every ``save_keys`` of the step's requests
+    for which ``failed(meta)`` holds go on the final layer's first task (:data:`DROP_KEYS`), whatever
+    its ``block_ranges`` say (a rank that saves no attention block at TP > KV heads drops too), for
+    :func:`make_drop_attached` to finish in the sending thread."""
+    drop: dict[str, None] = {}
+    for meta in requests:
+        if getattr(meta, "save_keys", None) and failed(meta):
+            drop.update(dict.fromkeys(meta.save_keys))
+    final = worker.layer_save_tasks[worker.num_layers - 1]
+    if drop and final:
+        final[0].__dict__[DROP_KEYS] = list(drop)
+
+
+def make_drop_attached(original, *, dropped: int, counts: Counts, drop_key: str = DROP_KEYS):
     """The layer sending thread's ``_handle_request``: the keys the worker attached to a layer's
-    first task under ``drop_key`` (the agreed failed requests' keys of the step) get the result
+    first task under ``drop_key`` (:func:`attach_drops`: the agreed failed requests' keys) get the result
     ``dropped`` before upstream's finish (``write_results.get(key, 0) or res`` keeps it), in the
     thread itself: no race with its own ``write_results`` updates. Used by the agreement of both
     release lines (load_failures on 0.25, pool_load_recovery on 0.30)."""

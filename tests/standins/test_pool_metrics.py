@@ -264,9 +264,12 @@ def test_a_hung_send_is_counted_and_its_held_blocks_shown(library, monkeypatch):
     seen: list[dict] = []
 
     stuck_at: list[int] = []
+    intervals: list[tuple[float, list[str]]] = []  # each step a log interval: (held after it, its lines)
 
     def watch(i, _so):
         seen.append(_figures(tap, i))
+        before = len(tap.lines)
+        intervals.append((seen[-1]["send_held_blocks"], tap.log_lines()[before:]))
         if not stuck_at and _stuck_total(i) > total0:
             stuck_at.append(i.steps)
         if (stuck_at and i.steps >= stuck_at[0] + 3) or i.steps > 200:  # 3 more steps stuck, then it returns
@@ -287,6 +290,12 @@ def test_a_hung_send_is_counted_and_its_held_blocks_shown(library, monkeypatch):
     assert held > 0 and max(s["send_open_events"] for s in seen) >= 1
     line = "".join(tap.log_lines())
     assert "stuck_sends=1" in line and f"send_held_blocks_peak={int(held)}" in line, line
+    # every interval in which the stuck send held blocks logged them, also the ones where nothing
+    # changed (issue 34: the gauges were reported only when the set of open events changed)
+    holding = [(h, lines) for h, lines in intervals if h > 0]
+    assert len(holding) >= 3, intervals
+    silent = [(h, lines) for h, lines in holding if not any(f"send_held_blocks_peak={int(h)}" in x for x in lines)]
+    assert silent == [], silent
     assert f"{AGE}_peak={max(stuck)}" in line, line
     print(f"\nhung send: peak {held:.0f} block references held; stuck-send age {min(stuck)}..{max(stuck)} s over "
           f"{len(stuck)} steps, then {ages[-1]}; {line}")

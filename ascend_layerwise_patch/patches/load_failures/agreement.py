@@ -37,7 +37,6 @@ from ._common import _POISONED, _TAINTED, AGREEMENT_GROUP, DROPPED
 #: host run-ahead HCCL allows); ``ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S`` sets it (tests shorten it here)
 AGREE_S = float(os.environ.get("ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S", "30") or 30)
 
-_DROP_KEYS = "_ascend_layerwise_patch_drop_keys"  # a final-layer LayerTransferTask: keys to finish as failed
 _PCP_WARNED = "_ascend_layerwise_patch_agree_pcp_warned"  # worker: the PCP warning was logged
 
 COUNTS = Counts("agreements", "failed_elsewhere", "keys_dropped")
@@ -111,13 +110,7 @@ def make_save_kv_layer(original):
             requests = getattr(connector_metadata, "requests", None) or ()
             if requests and _has_pool_load(requests):
                 _mark(self, requests, _agree(self, requests))
-            drop: dict[str, None] = {}
-            for meta in requests:
-                if meta.__dict__.get(_POISONED) and meta.save_keys:
-                    drop.update(dict.fromkeys(meta.save_keys))
-            final = self.layer_save_tasks[last]
-            if drop and final:
-                final[0].__dict__[_DROP_KEYS] = list(drop)
+            _failed_load.attach_drops(self, requests, lambda meta: meta.__dict__.get(_POISONED))
         return original(self, connector_metadata)
 
     return save_kv_layer
@@ -126,17 +119,11 @@ def make_save_kv_layer(original):
 def make_send_handle(original):
     """The layer sending thread: the keys the worker attached to the final layer's first task get a
     failed result before upstream's finish (``_failed_load.make_drop_attached``)."""
-    return _failed_load.make_drop_attached(original, drop_key=_DROP_KEYS, dropped=DROPPED, counts=COUNTS)
+    return _failed_load.make_drop_attached(original, dropped=DROPPED, counts=COUNTS)
 
 
 # ----------------------------------------------------------------------------- checks on targets
 def _save_ok(original) -> str | None:
-    problem = _expects(
-        ["self", "connector_metadata"],
-        needs=("current_layer", "num_layers", "layer_save_tasks", "send_thread.add_request"),
-    )(original)
-    if problem:
-        return problem
     config = importlib.import_module(f"{STORE}.config_data")
     fields = getattr(config.ReqMeta, "__annotations__", {})
     for name in ("save_keys", "load_spec"):
@@ -144,7 +131,7 @@ def _save_ok(original) -> str | None:
             return f"ReqMeta no longer has {name}"
     if "can_load" not in getattr(config.LoadSpec, "__annotations__", {}):
         return "LoadSpec no longer has can_load"
-    return _failed_load.agree_ok()
+    return _failed_load.agree_ok(original)
 
 
 def _upstream_agrees(_original) -> str | None:

@@ -40,7 +40,6 @@ from .worker import _FAILED, _FAILED_COPIES, WORKER
 AGREE_S = float(os.environ.get("ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S", "30") or 30)
 
 _STEP = "_ascend_layerwise_patch_agree_step"  # worker: req ids (metadata order) of a step with a pool load
-_DROP_KEYS = "_ascend_layerwise_patch_drop_keys"  # a final-layer LayerTransferTask: keys to finish as failed
 DROPPED = -1
 
 COUNTS = Counts("agreements", "failed_elsewhere", "keys_dropped")
@@ -88,13 +87,8 @@ def make_save_kv_layer(original):
                     self.tp_rank,
                     sorted(elsewhere),
                 )
-            drop: dict[str, None] = {}
-            for meta in getattr(connector_metadata, "requests", None) or ():
-                if meta.req_id in agreed and getattr(meta, "save_keys", None):
-                    drop.update(dict.fromkeys(meta.save_keys))
-            final = self.layer_save_tasks[self.num_layers - 1]
-            if drop and final:
-                final[0].__dict__[_DROP_KEYS] = list(drop)
+            requests = getattr(connector_metadata, "requests", None) or ()
+            _failed_load.attach_drops(self, requests, lambda meta: meta.req_id in agreed)
         return original(self, connector_metadata)
 
     return save_kv_layer
@@ -103,15 +97,9 @@ def make_save_kv_layer(original):
 def make_send_handle(original):
     """The layer sending thread: the keys the worker attached to the final layer's first task get a
     failed result before upstream's finish (``_failed_load.make_drop_attached``)."""
-    return _failed_load.make_drop_attached(original, drop_key=_DROP_KEYS, dropped=DROPPED, counts=COUNTS)
+    return _failed_load.make_drop_attached(original, dropped=DROPPED, counts=COUNTS)
 
 
-def _save_ok(original) -> str | None:
-    problem = _expects(
-        ["self", "connector_metadata"],
-        needs=("current_layer", "num_layers", "layer_save_tasks", "send_thread.add_request"),
-    )(original)
-    return problem or _failed_load.agree_ok()
 
 
 def _upstream_agrees(original) -> str | None:
@@ -134,7 +122,7 @@ SPECS = (
         "pool_load_agree",
         f"{WORKER}.save_kv_layer",
         make_save_kv_layer,
-        precondition=_save_ok,
+        precondition=_failed_load.agree_ok,
         fixed_upstream=_upstream_agrees,
         counters=COUNTS.snapshot,
         why="every TP rank learns which requests' pool loads failed on any rank, and drops their saves",

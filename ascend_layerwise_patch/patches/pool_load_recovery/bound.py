@@ -45,6 +45,7 @@ import time
 
 from ...host import logger
 from .._checks import Counts
+from .._checks import detect_at as _detect_at
 from .._checks import expects as _expects
 from .._checks import lookup as _lookup
 from .._checks import source as _source
@@ -286,17 +287,13 @@ def _upstream_bounded(original) -> str | None:
     return None
 
 
-def _upstream_bounded_step(_original) -> str | None:
-    return _upstream_bounded(_lookup(f"{WORKER}.wait_for_layer_load"))
-
-
 SPECS = (
     WAIT_BOUND_GROUP.spec(
         "pool_load_wait_step",
         f"{WORKER}.prepare_layerwise_step",
         make_prepare_step,
         precondition=_expects(["self", "metadata"], needs=("process_layer_data",)),
-        fixed_upstream=_upstream_bounded_step,
+        fixed_upstream=_detect_at(f"{WORKER}.wait_for_layer_load", _upstream_bounded),
         why="after a timed-out layer load, stale load events are cleared, or the next step's loads abandoned",
         after=("pool_load_report_step", "pool_load_agree_step"),
     ),

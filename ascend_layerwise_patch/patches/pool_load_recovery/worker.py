@@ -9,6 +9,7 @@ import threading
 
 from ...host import logger
 from .._checks import Counts
+from .._checks import detect_at as _detect_at
 from .._checks import expects as _expects
 from .._checks import lookup as _lookup
 from .._checks import source as _source
@@ -330,10 +331,6 @@ def _upstream_reports_copies(original) -> str | None:
     return None
 
 
-def _upstream_reports_copies_any(_original) -> str | None:
-    return _upstream_reports_copies(_lookup(f"{STORE}.kv_transfer:KVCacheStoreLayerRecvingThread._handle_request"))
-
-
 def _prepare_load_ok(original) -> str | None:
     problem = _expects(
         ["self", "requests"],
@@ -354,10 +351,6 @@ def _upstream_reports(original) -> str | None:
     return None
 
 
-def _upstream_reports_step(_original) -> str | None:
-    return _upstream_reports(_lookup(f"{WORKER}._prepare_load_gvas"))
-
-
 SPECS = (
     GROUP.spec(
         "pool_load_report_raise",
@@ -366,7 +359,7 @@ SPECS = (
         precondition=_expects(
             ["self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"], needs=("batch_copy",)
         ),
-        fixed_upstream=_upstream_reports_copies_any,
+        fixed_upstream=_detect_at(f"{STORE}.kv_transfer:KVCacheStoreLayerRecvingThread._handle_request", _upstream_reports_copies),
         why="a layerwise load copy that raises is a failed copy (reported), not the receiving thread's fatal error",
         after=("load_fail_copy", "pool_metrics_load_copy"),  # vllm-ascend <0.27 groups: never both in range
     ),
@@ -395,7 +388,7 @@ SPECS = (
         f"{WORKER}.prepare_layerwise_step",
         make_prepare_step,
         precondition=_expects(["self", "metadata"], needs=("process_layer_data",)),
-        fixed_upstream=_upstream_reports_step,
+        fixed_upstream=_detect_at(f"{WORKER}._prepare_load_gvas", _upstream_reports),
         why="a request whose pool load failed saves nothing until its preemption or end reaches the worker",
         risk="under async scheduling the step after a failed load saves keys computed on the unloaded state",
     ),

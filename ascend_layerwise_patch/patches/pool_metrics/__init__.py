@@ -55,24 +55,25 @@ def _types():
 
 
 def _gauges(self, sched) -> dict[str, int] | None:
-    """The scheduler's send gauges if they changed since the last report, else None.
+    """The scheduler's send gauges while any send event is open (every step: each log interval in
+    which a send holds blocks shows them, also when nothing changed), zeros once when the last one
+    closed, else None (nothing open, nothing open last time: the per-step path allocates nothing).
 
-    Held blocks are only summed when the set of open events changed (its size, oldest or newest id:
-    events open and close as a whole, their block lists are not edited in place)."""
+    Held blocks are only summed again when the set of open events changed (its size, oldest or newest
+    id: events open and close as a whole, their block lists are not edited in place)."""
     events = sched.sending_events
     last = self.__dict__.get(_LAST)  # (events' mark, (held, open)) last reported
     if not events:
         if last is None or last[1] == (0, 0):
-            return None  # nothing open, nothing open last time: the per-step path
+            return None
         self.__dict__[_LAST] = (None, (0, 0))
         return {"send_held_blocks": 0, "send_open_events": 0}
     mark = (len(events), next(iter(events)), next(reversed(events)))
     if last is not None and last[0] == mark:
-        return None
-    now = (sum(len(ids) for ids in sched.sending_blocks.values()), len(events))
-    self.__dict__[_LAST] = (mark, now)
-    if last is not None and last[1] == now:
-        return None
+        now = last[1]
+    else:
+        now = (sum(len(ids) for ids in sched.sending_blocks.values()), len(events))
+        self.__dict__[_LAST] = (mark, now)
     return {"send_held_blocks": now[0], "send_open_events": now[1]}
 
 
