@@ -6,7 +6,9 @@ Suites (each runs in its own pytest process, see scripts/matrix.sh):
   tests/interp    Triton kernels under TRITON_INTERPRET=1 with the real vLLM callers; no stand-ins
 
 ``@pytest.mark.pairs("v0251", ...)`` limits a test to the named pairs of scripts/pairs.txt; the
-pair is derived from the installed vllm / vllm-ascend versions, never from a flag.
+pair is derived from the installed vllm / vllm-ascend versions, never from a flag. A scenario that
+runs on several release lines is one test, parametrized by line: :func:`on` makes each line's
+parameter set, with its pairs mark.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,3 +129,13 @@ def group_states(group: str) -> set[str]:
     import ascend_layerwise_patch
 
     return {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == group}
+
+
+# ------------------------------------------------------------------ one scenario, per release line
+def on(release, *values, pairs=None, name: str = "", control: str = ""):
+    """One parameter set of a scenario run on every release line it applies to: ``release`` (a
+    release line: its ``name`` and ``pairs``) and ``values``, on ``pairs`` (default: the release's);
+    ``control``: why it passes with the library off too (``@pytest.mark.control``). Its id is the
+    release's name, then ``name``."""
+    marks = [pytest.mark.pairs(*(pairs or release.pairs))] + ([pytest.mark.control(control)] if control else [])
+    return pytest.param(release, *values, marks=marks, id="-".join(filter(None, (release.name, name))))

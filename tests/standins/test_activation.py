@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import pytest
 
-from support import PAIR, ROOT, run_python
+from support import PAIR, ROOT, on, run_python
 
 STANDINS = f"""
 import importlib.util, json, sys
@@ -98,13 +98,6 @@ def probes():
     target='vars(g310.AscendGatedDeltaNetAttention310)["_forward_core"]',
     child_probe="g310",
 )
-
-
-def on(release: Release, *values, pairs=None, name: str = "", control: str = ""):
-    """One parameter set of a scenario: ``release`` (and ``values``) on ``pairs`` (default: the
-    release's); ``control``: why it passes with the library off too (``@pytest.mark.control``)."""
-    marks = [pytest.mark.pairs(*(pairs or release.pairs))] + ([pytest.mark.control(control)] if control else [])
-    return pytest.param(release, *values, marks=marks, id="-".join(filter(None, (release.name, name))))
 
 
 LEFT_OUT = "the plugin left out of VLLM_PLUGINS: the child patches nothing, as without the library"

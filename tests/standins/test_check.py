@@ -161,39 +161,22 @@ def test_check_json_records_every_place_with_its_state():
         assert states["async_free_fence"] == "applied"  # issue 23: vLLM 0.26.0's fence is consumer-only too
         for spec in load_failures.SPECS:
             assert patches[spec.name]["state"] == "skipped" and "version out of range" in patches[spec.name]["reason"]
-    elif PAIR in ("v0300", "v0290"):  # issue 25: vllm-ascend 0.30.0rc2 fixed most of it; see V030 below
-        expected = V030 if PAIR == "v0300" else {n: "skipped" if n in V030_ONLY_APPLIED else s for n, s in V030.items()}
+    elif PAIR in ("v0300", "v0290"):
+        # issue 25: vllm-ascend 0.30.0rc2 (on vLLM 0.30.0 and 0.29.0) fixed most of it: what it fixed, what
+        # applies, and that every other patch (declared for 0.25 / 0.26 only: 0.30 reworked those targets,
+        # or for vLLM 0.30 only) is out of range, is this pair's column of scripts/expected_states.txt
+        column = {name: codes[PAIR] for name, codes in es.load()[1].items()}
+        expected = {n: "applied" if code == "applied" else "skipped" for n, code in column.items()}
         assert states == expected, {n: (s, patches[n]["reason"]) for n, s in states.items() if expected.get(n) != s}
-        for name in V030_FIXED:
+        fixed = [n for n, code in column.items() if code == "fixed"]
+        assert fixed, column
+        for name in fixed:
             assert patches[name]["reason"].startswith("already fixed upstream"), patches[name]
         for name, state in states.items():
-            if state == "skipped" and name not in V030_FIXED:
+            if state == "skipped" and name not in fixed:
                 assert "version out of range" in patches[name]["reason"], patches[name]
     else:
         assert set(states.values()) == {"skipped"}
-
-
-#: vllm-ascend 0.30.0rc2 (on vLLM 0.30.0 and 0.29.0): what is detected as fixed upstream, what applies;
-#: every other patch is declared for 0.25 / 0.26 only (0.30 reworked those targets), out of range
-V030_FIXED = (
-    "guard_wait", "guard_save", "gdn_layerwise", "mamba_precopy_rows", "mamba_precopy_defer",
-    "postprocess_kernel", "postprocess_v2_out_buffer",
-)
-V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool", "pool_hit_boundary", "pool_key_tp")
-#: vLLM 0.30 only (v0300): on v0290 they are out of range (vLLM 0.29's scheduler takes one group's report)
-V030_ONLY_APPLIED = ("pool_load_report_raise", "pool_load_report_copy", "pool_load_report", "pool_load_report_step", "pool_load_rollback", "pool_load_resume_meta",
-                     "pool_load_no_reload", "pool_load_policy",
-                     # issue 32: the TP ranks' agreement and the bounded layer wait
-                     "pool_load_agree_step", "pool_load_agree", "pool_load_agree_drop", "pool_load_wait_step", "pool_load_wait_bound")
-
-
-def _v030_states() -> dict[str, str]:
-    from ascend_layerwise_patch.patches import SPECS
-
-    return {s.name: "applied" if s.name in V030_APPLIED + V030_ONLY_APPLIED else "skipped" for s in SPECS}
-
-
-V030 = _v030_states()
 
 
 @pytest.mark.pairs("v0251", "v0250")

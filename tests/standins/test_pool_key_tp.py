@@ -8,7 +8,7 @@ at TP 2, same pool and checkpoint, serves A's first 32 tokens + 5. Each GDN stat
 slice (``gdn<rank>/<tp>``), so a slice cut for TP 4 read by a TP 2 rank is a wrong read. (The harness
 gives every TP size the same state shape; on a device the slices also differ in size.) Control: R at
 TP 4 still hits and reads right with the group on. The same key shape is what a pool left by
-0.25 / 0.26 without this library holds (GDN keys per KV head): test_pool_upgrade_030.py.
+0.25 / 0.26 without this library holds (GDN keys per KV head): test_pool_upgrade.py.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from ascend_layerwise_patch.registry import APPLIED, MARKER
 from support import PAIR
 
 #: Not v0260: there send_integrity_copy is skipped as fixed upstream (a failed or raising save copy
-#: stops the sending thread before any key is finished: test_upstream_026.py proves it), and the
+#: stops the sending thread before any key is finished: test_upstream_detectors.py proves it), and the
 #: stuck-copy WARNING cannot fire (save_kv_layer waits for the step's last layer without a limit, so
 #: no step runs while a copy hangs). send_integrity_own_arrays / _idle_steps are tested on v0260 in
 #: test_send_pool.py.

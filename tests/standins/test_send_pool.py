@@ -34,7 +34,7 @@ pytestmark = pytest.mark.pairs(*PAIRS)
 #: thread survives a failed copy (vllm-ascend 0.25.1rc1): there a send can outlive its step and a
 #: faulty copy can leave a key with an unwritten slot. vllm-ascend 0.26.0rc1 waits without a limit
 #: (a hung copy holds the step) and stops at a failed or raising copy before finishing any key
-#: (send_integrity_copy is skipped there as fixed upstream; test_upstream_026.py shows it).
+#: (send_integrity_copy is skipped there as fixed upstream; test_upstream_detectors.py shows it).
 SENDS_OUTLIVE_STEPS = ("v0251",)
 #: Idle workloads: (tp, kv heads) and which save copies hang until the requests are done. On v0260
 #: a send outlives its step only on a TP rank that saves nothing at the model's last layer: at TP >

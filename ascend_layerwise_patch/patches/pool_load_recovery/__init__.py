@@ -54,7 +54,7 @@ How      Worker: ``_prepare_load_gvas`` runs upstream's code one request at a ti
          ends just that request with an error and evicts its blocks (unchanged).
          Policy: with ``pool_load_recovery`` in force (applied or pending) the platform accepts
          ``kv_load_failure_policy=recompute`` for hybrid models; otherwise its refusal stands.
-         (Pool harness, tests/standins/test_pool_load_recovery_030.py: off, the engine ends; on,
+         (Pool harness, tests/standins/test_pool_load_recovery.py: off, the engine ends; on,
          every request finishes with the tokens of a run without the pool, 0 wrong reads after the
          failed step, 0 null-block writes, no key of the steps computed on the failure ready.)
 Agreement (group ``pool_load_agreement``, module ``agreement``; issue 32) Async scheduling across

@@ -23,7 +23,7 @@ rollback 0.25 needed (patches/load_failures/rollback.py), not a report; vLLM 0.2
 a hybrid report at all (its ``_update_requests_with_invalid_blocks`` unpacks one group).
 
 Issue 25 follow-up (f): the library's ``pool_load_recovery`` groups now turn the stop into a report
-and the in-place rollback into evict + preempt (test_pool_load_recovery_030.py); the upstream
+and the in-place rollback into evict + preempt (test_pool_load_recovery.py); the upstream
 behaviour above is pinned here with those groups skipped (``library_off``, module-wide: every test
 but the first, which runs the reported-failure case with them on: no null-block write, no wrong read).
 
@@ -51,7 +51,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
-#: the library's handling of a failed hybrid pool load (test_pool_load_recovery_030.py) off
+#: the library's handling of a failed hybrid pool load (test_pool_load_recovery.py) off
 SKIP = {"ASCEND_LAYERWISE_PATCH_SKIP": "pool_load_recovery,pool_load_recovery_policy"}
 
 

@@ -5,7 +5,7 @@ Instance A fills the pool with two 40-token prompts; instance B (policy ``recomp
 requests b1 / b2, each a 32-token pool hit (2 blocks of 16) and 24 tokens after it, and pool keys
 are evicted between B's schedule and its load (all keys, only the GDN group's, only the attention
 group's, only b1's prefix, or at TP 2 only rank 1's), or B's first GDN load copy returns an error or
-raises. Library off (the groups skipped; test_pool_evict_030.py pins the rest):
+raises. Library off (the groups skipped; test_pool_load_failure_upstream.py pins the rest):
 the worker raises and the engine ends. Library on: every request finishes with the tokens of a run
 without a pool hit, no token of the failed step is delivered, nothing read after the failed step is
 wrong, no GDN state is written into the null block, no key the failed step saved is ready, every
@@ -236,7 +236,7 @@ def test_async_scheduling_across_ranks_keeps_upstreams_stop_without_the_agreemen
     on rank 1 only. With the ranks as processes (as vLLM runs them) that stop is a hang on rank 0: it
     waits in the layer's all-reduce for a rank that will never enter it (here until the harness's
     gloo timeout; on an NPU, HCCL's operator timeout, then the RPC timeout). Issue 32; with the
-    agreement: test_load_agreement_030.py."""
+    agreement: test_pool_load_agreement.py."""
     import rank_procs
     from ascend_layerwise_patch.patches.pool_load_recovery import AGREEMENT_GROUP, worker
     from harness_pool import groups_skipped

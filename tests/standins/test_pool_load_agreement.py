@@ -1,6 +1,6 @@
 """Issue 32 on vllm-ascend 0.30.0rc2 + vLLM 0.30.0 (``pool_load_agreement``): a failed pool load on ONE
 TP rank under async scheduling is recovered on every rank -- no stop, no hang -- and nothing computed
-on it is published by any rank. The scenario is ``test_pool_load_recovery_030.Run`` (A fills the pool
+on it is published by any rank. The scenario is ``test_pool_load_recovery.Run`` (A fills the pool
 with two prompts, B asks b1 / b2 with a 32-token hit each) at TP 2 / TP 4 with 2 KV heads, ranks as
 processes with a real gloo TP group: rank 1's GDN keys are evicted between B's schedule and its load
 (``rank1``) or rank 1's first GDN load copy returns an error (``copy1``).
@@ -20,7 +20,7 @@ if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 from ascend_layerwise_patch.patches import pool_load_recovery  # noqa: E402
-from test_pool_load_recovery_030 import TWO, Run, reference  # noqa: E402,F401  (fixture)
+from test_pool_load_recovery import TWO, Run, reference  # noqa: E402,F401  (fixture)
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)

@@ -37,7 +37,7 @@ from ascend_layerwise_patch.patches import _failed_load, pool_load_recovery  # n
 pytestmark = pytest.mark.pairs(*PAIRS)
 
 A1, A2, A3 = (list(range(n, n + 40)) for n in (1000, 2000, 3000))
-#: async scheduling prefills in 16-token chunks (as test_pool_load_recovery_030's TWO_ASYNC)
+#: async scheduling prefills in 16-token chunks (as test_pool_load_recovery's TWO_ASYNC)
 TWO = {"b1": A1[:32] + list(range(7, 39)) + [1, 2], "b2": A2[:32] + list(range(40, 72)) + [3, 4]}
 B3 = A3[:32] + list(range(80, 100))  # after the gate opens: a pool hit of its own
 MAX_TOKENS = 3
