@@ -78,7 +78,7 @@ def main() -> int:
 
     importlib.import_module("vllm_ascend.ops")
     utils = importlib.import_module("vllm_ascend.attention.utils")
-    gdn = importlib.import_module("vllm_ascend.ops.gdn")
+    importlib.import_module("vllm_ascend.ops.gdn")
     for spec in alp.REGISTRY.specs:  # every target imported first: time the patching alone
         try:
             importlib.import_module(spec.module)

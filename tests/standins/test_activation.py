@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import pytest
 
-from support import PAIR, ROOT, on, run_python
+from support import ROOT, on, run_python
 
 STANDINS = f"""
 import importlib.util, json, sys
