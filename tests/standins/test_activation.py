@@ -353,6 +353,7 @@ def test_without_strict_mode_the_plugin_logs_and_vllm_goes_on():
 
 
 @pytest.mark.pairs(*IN_RANGE)
+@pytest.mark.control("the switch itself: its child sets ASCEND_LAYERWISE_PATCH=0 and asserts nothing is patched")
 def test_disabled_by_environment():
     out = result(
         run_python(

@@ -254,6 +254,7 @@ def test_full_attention_after_timeout_default(patched):
     assert h.violations == [] and h.leaked() == 0 and h.held_blocks() == []
 
 
+@pytest.mark.control("the group's environment knob parsed: no patch involved")
 def test_env_knob_parsing():
     assert mamba_lifetime._hold_attention({}) is True
     assert mamba_lifetime._hold_attention({mamba_lifetime.ENV_HOLD_ATTENTION: "0"}) is False
@@ -282,6 +283,8 @@ def test_group_is_all_or_nothing(unpatched):
     assert any(drift_found) and real.risk == mamba_lifetime.RISK
 
 
+@pytest.mark.control("a registry of the group's own specs activated directly in a child: the registry's import-order "
+                     "handling, not this process's activation (which the switch turns off)")
 def test_applies_whichever_module_comes_first():
     """pool_worker imports kv_transfer: importing pool_worker first must not half-resolve the group."""
     proc = run_python(

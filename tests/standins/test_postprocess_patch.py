@@ -119,6 +119,7 @@ def test_out_of_range_pairs_are_skipped_with_the_reason():
 
 
 @pytest.mark.pairs("v0251", "v0250", "v0260")
+@pytest.mark.control("the group's detectors run on the shipped, unwrapped kernel: the same whether the library applied or not")
 def test_detectors_on_the_real_objects():
     """Precondition and fixed-upstream checks against the shipped code, not look-alikes."""
     import importlib

@@ -61,6 +61,7 @@ def test_readme_speculative_config_names_vllms_mtp_method():
 
 
 @pytest.mark.pairs("v0251", "v0250")
+@pytest.mark.control("the README's serve line read by vLLM's own parser: no patch involved")
 def test_readme_serve_line_parses_and_names_what_vllm_ascend_has():
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
