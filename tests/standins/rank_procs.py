@@ -10,7 +10,7 @@ process then:
 - builds its own ``_Rank``: caches, the AscendStore worker half and the layer threads it starts,
   its own module state (``pool_events``, marks on module globals, caches are per process, as in
   production);
-- talks to the shared pool through ``byte_store.PoolServer`` (MemCache is a service every worker
+- talks to the shared pool through ``byte_store_remote.PoolServer`` (MemCache is a service every worker
   process reaches; copies read and write the rank's own memory when they run);
 - executes each step's ``SchedulerOutput`` and answers with its ``ModelRunnerOutput`` and what its
   layers read; its layers' outputs are summed over the group (:meth:`_Rank._all_reduce`).
@@ -32,6 +32,7 @@ import traceback
 from datetime import timedelta
 
 import byte_store
+import byte_store_remote
 
 COLLECTIVE_TIMEOUT_S = 15.0
 START_LIMIT_S = 120.0  # a rank's start: its worker half, caches and threads (2 cores, 8 ranks)
@@ -56,7 +57,7 @@ class RankProcesses:
     def __init__(self, inst, make_rank):
         self.tp = inst.tp
         self.name = inst.name
-        self.server = byte_store.PoolServer(inst.pool) if inst.pool is not None else None
+        self.server = byte_store_remote.PoolServer(inst.pool) if inst.pool is not None else None
         address = self.server.address if self.server is not None else None
         fd, self.init_file = tempfile.mkstemp(prefix="alp-gloo-")
         os.close(fd)
@@ -251,7 +252,7 @@ def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
         # where this rank is, on the parent's request (SIGUSR1), when it does not answer in time
         faulthandler.register(signal.SIGUSR1, file=open(_stack_file(init_file, r), "w"), all_threads=True)
         if address is not None:  # this process reaches the pool as a MemCache client does
-            inst.pool = byte_store.RemoteService(address)
+            inst.pool = byte_store_remote.RemoteService(address)
             byte_store.install(inst.pool)
         _capture_log(r)
         group = _tp_group(r, inst.tp, init_file, inst.configs[r])
