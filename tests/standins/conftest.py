@@ -32,3 +32,14 @@ def vllm_log():
     log.addHandler(handler)
     yield handler
     log.removeHandler(handler)
+
+
+@pytest.fixture
+def patched():
+    """The library re-activated as configured for the test (whatever an earlier test of this process
+    left), and again after it."""
+    reg = ascend_layerwise_patch.REGISTRY
+    reg.revert()
+    reg.activate()
+    yield reg
+    reg.activate()

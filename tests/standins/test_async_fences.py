@@ -19,7 +19,7 @@ from ascend_layerwise_patch.patches import async_fences
 from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
-from support import PAIR
+from support import PAIR, activate_skipping
 
 PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
@@ -36,12 +36,7 @@ OTHER = list(range(5000, 5020))  # the request aborted while its step is in flig
 
 
 def _set(on: bool) -> None:
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    env = dict(os.environ)
-    if not on:
-        env["ASCEND_LAYERWISE_PATCH_SKIP"] = async_fences.GROUP
-    reg.activate(environ=env)
+    reg = activate_skipping() if on else activate_skipping(async_fences.GROUP)
     if not on:
         assert {st.state for st in reg.status() if st.group == async_fences.GROUP} == {SKIPPED}
 

@@ -8,7 +8,6 @@ rank that starts from another rank's slice reads a wrong state (``PoolInstance.w
 
 from __future__ import annotations
 
-import os
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -18,7 +17,7 @@ import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import gdn_tp_keys
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
-from support import PAIR
+from support import PAIR, activate_skipping
 
 PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
@@ -37,9 +36,7 @@ _NAMES = {s.name for s in gdn_tp_keys.SPECS}
 def _set(on: bool) -> None:
     """Every patch of the library, with (on) or without (off) this group: off is vllm-ascend's own
     GDN keying with everything else this library fixes in place, so only this group's effect shows."""
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate(environ=dict(os.environ) if on else {**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": gdn_tp_keys.GROUP})
+    reg = activate_skipping() if on else activate_skipping(gdn_tp_keys.GROUP)
     if not on:
         assert {st.state for st in reg.status() if st.name in _NAMES} == {SKIPPED}, reg.status()
 

@@ -10,7 +10,6 @@ that was never loaded reads a wrong value (``PoolInstance.wrong_reads``).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -18,7 +17,7 @@ import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import load_failures
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
-from support import PAIR
+from support import PAIR, activate_skipping
 
 PAIRS = ("v0251",)
 if PAIR not in PAIRS:
@@ -39,9 +38,7 @@ _NAMES = {s.name for s in load_failures.SPECS if s.group == load_failures.GROUP}
 
 def _set(on: bool) -> None:
     """The whole library, with (on) or without (off) this group."""
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate(environ=dict(os.environ) if on else {**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": load_failures.GROUP})
+    reg = activate_skipping() if on else activate_skipping(load_failures.GROUP)
     if not on:
         assert {st.state for st in reg.status() if st.name in _NAMES} == {SKIPPED}, reg.status()
 

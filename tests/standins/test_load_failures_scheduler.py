@@ -38,15 +38,6 @@ ATTN, MAMBA = 0, 1
 _NAMES = {s.name for s in load_failures.SPECS if s.group == load_failures.GROUP}
 
 
-@pytest.fixture
-def patched():
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate()
-    yield
-    reg.activate()
-
-
 def test_load_failures_scheduler_half_applies(patched):
     """The group's state, on its own (the defect tests run as configured)."""
     assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.name in _NAMES} == {APPLIED}

@@ -67,15 +67,6 @@ def _targets():
     )
 
 
-@pytest.fixture
-def patched():
-    reg = _registry()
-    reg.revert()
-    reg.activate()
-    yield
-    reg.activate()
-
-
 def test_mamba_lifetime_applies(patched):
     """The group's state, on its own (the defect tests run as configured)."""
     states = {st.name: st.state for st in _registry().status() if st.name in _OUR_NAMES}

@@ -16,7 +16,6 @@ output, before the scheduler adds its own).
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -27,7 +26,7 @@ from ascend_layerwise_patch.patches import load_failures, pool_metrics
 from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity, send_shedding
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
-from support import PAIR
+from support import PAIR, activate_skipping
 
 PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
@@ -58,12 +57,7 @@ MAMBA = "mamba_state_bytes_loaded"
 
 
 def _activate(on: bool) -> None:
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    env = dict(os.environ)
-    if not on:
-        env["ASCEND_LAYERWISE_PATCH_SKIP"] = pool_metrics.GROUP
-    reg.activate(environ=env)
+    reg = activate_skipping() if on else activate_skipping(pool_metrics.GROUP)
     reg.apply_pending()
     if not on:
         assert {st.state for st in reg.status() if st.group == pool_metrics.GROUP} == {SKIPPED}

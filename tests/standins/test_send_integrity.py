@@ -37,15 +37,6 @@ from harness_pool import TIME_SCALE, Lifetime, make_lifetime  # noqa: E402  (imp
 pytestmark = pytest.mark.pairs(*PAIRS)
 
 
-@pytest.fixture
-def patched():
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate()
-    yield
-    reg.activate()
-
-
 def test_send_integrity_applies(patched):
     """The group's state, on its own (the defect tests run as configured)."""
     assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == send_integrity.GROUP} == {APPLIED}
