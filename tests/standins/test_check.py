@@ -179,7 +179,10 @@ V030_FIXED = (
     "guard_wait", "guard_save", "gdn_layerwise", "mamba_precopy_rows", "mamba_precopy_defer",
     "postprocess_kernel", "postprocess_v2_out_buffer",
 )
-V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool", "pool_hit_boundary", "pool_key_tp")
+V030_APPLIED = ("gdn_layerwise_310p", "mamba_local_hit", "mamba_local_hit_pool", "pool_hit_boundary", "pool_key_tp",
+                # issue 34: pool_metrics through vllm-ascend 0.30.0rc2's own connector stats (vLLM 0.29 too)
+                "pool_metrics_groups_030", "pool_metrics_loads_030", "pool_metrics_copy_030", "pool_metrics_stats_030",
+                "pool_metrics_aggregate_030", "pool_metrics_reduce_030", "pool_metrics_prom_030", "pool_metrics_observe_030")
 #: vLLM 0.30 only (v0300): on v0290 they are out of range (vLLM 0.29's scheduler takes one group's report)
 V030_ONLY_APPLIED = ("pool_load_report_raise", "pool_load_report_copy", "pool_load_report", "pool_load_report_step", "pool_load_rollback", "pool_load_resume_meta",
                      "pool_load_no_reload", "pool_load_policy",
