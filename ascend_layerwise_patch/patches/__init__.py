@@ -76,6 +76,7 @@ from . import (
 )
 from .gdn_layerwise import mamba_precopy
 from .mamba_lifetime import send_integrity, send_shedding
+from .pool_metrics import v030 as pool_metrics_030
 
 SPECS = (
     *connector_guards.SPECS,
@@ -96,4 +97,5 @@ SPECS = (
     *pool_hit_boundary.SPECS,
     *pool_key_tp.SPECS,
     *pool_load_recovery.SPECS,
+    *pool_metrics_030.SPECS,
 )

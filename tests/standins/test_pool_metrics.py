@@ -8,6 +8,11 @@ fault the other groups already handle (the faults of test_load_failures_pool.py,
 and test_send_shedding.py, set up with the same harness helpers) on a TP=2 instance; the scrape shows
 that fault's figure and 0 for every other one. With the group off, a failing pool shows nothing.
 
+On v0300 (issue 34, the ``test_030_*`` tests) the same figures come through vllm-ascend 0.30.0rc2's own
+stats path (pool_metrics/v030.py), next to its four ``vllm:ascend_store_*`` metrics, which the tests
+show at 0 on the layerwise path; the failures are those pool_load_recovery recovers (a copy that
+returns an error or raises, keys evicted before the load, a copy past the bounded layer wait).
+
 The TP ranks of the harness share one process, so one rank's ``get_kv_connector_stats`` drains the
 counts the process's threads bumped; in a server each worker process reports its own, and the
 aggregator sums them either way (the test checks the figures arrive in the workers' aggregated
@@ -24,11 +29,12 @@ import ascend_layerwise_patch
 from ascend_layerwise_patch import pool_events
 from ascend_layerwise_patch.patches import load_failures, pool_metrics
 from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity, send_shedding
+from ascend_layerwise_patch.patches.pool_metrics import v030 as pool_metrics_030
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR, activate_skipping
 
-PAIRS = ("v0251", "v0260")
+PAIRS = ("v0251", "v0260", "v0300")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
@@ -63,11 +69,13 @@ def _activate(on: bool) -> None:
         assert {st.state for st in reg.status() if st.group == pool_metrics.GROUP} == {SKIPPED}
 
 
+@pytest.mark.pairs("v0251", "v0260")
 def test_pool_metrics_applies():
     """The group's state, on its own (the figure tests run as configured)."""
     try:
         _activate(True)
-        assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == pool_metrics.GROUP} == {APPLIED}
+        mine = {s.name for s in pool_metrics.SPECS}  # the 0.30 members (v030.py) are out of range here
+        assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.name in mine} == {APPLIED}
     finally:
         _activate(True)
 
@@ -327,3 +335,136 @@ def test_slow_sends_shed_saves_as_counted_by_the_bound(library, monkeypatch):
     got[MAMBA] = 0.0  # whatever the soak's own pool hits loaded: not this test's figure
     assert got == ZERO | {"saves_shed": float(shed), "stuck_sends": float(stuck)}  # stuck-send age 0 at the end
     print(f"\nslow store: {tap.log_lines()}")
+
+
+# ------------------------------------------------------------------------------------- v0300
+# vLLM 0.30.0 + vllm-ascend 0.30.0rc2 (issue 34): the same figures through 0.30's own AscendStore stats
+# (its AscendStoreKVConnectorStats / AscendStorePromMetrics, extended by pool_metrics/v030.py), next to
+# its own four vllm:ascend_store_* metrics. What moves there: the failures pool_load_recovery reports
+# (by kind), the requests it rolls back and the tokens they recompute, the keys the agreement drops,
+# the mamba state bytes a hit loads. StatsTap is used as it is: vLLM 0.30's PrometheusStatLogger has
+# the same _kv_connector_cls / record() as 0.25's.
+UPSTREAM_030 = ("vllm:ascend_store_load_get_keys_total", "vllm:ascend_store_delayed_release_requests",
+                "vllm:ascend_store_delayed_release_blocks", "vllm:ascend_store_load_get_duration_seconds_count")
+
+
+def _upstream_figures(tap: StatsTap, inst: PoolInstance) -> dict[str, float]:
+    """vllm-ascend 0.30.0rc2's own four (the histogram by its sample count), with the engine's labels."""
+    got = tap.scrape("vllm:ascend_store")
+    labels = "{" + f'engine="0",model_name="{inst.configs[0].model_config.served_model_name}"' + "}"
+    return {name: got[name + labels] for name in UPSTREAM_030}
+
+
+#: async scheduling: B prefills in 16-token chunks after its 32-token hit, so the step after the failed one
+#: (scheduled before the failure is known) saves a full block computed on the state never loaded
+B_PROMPT_ASYNC = PROMPT[:32] + list(range(6000, 6032)) + [1, 2]
+
+
+def _recovered_run(fault: str | None, scheduling: str = "sync"):
+    """A fills the pool (TP 2); B (TP 2, recompute) hits 32 tokens of it; ``fault``: B's first GDN load
+    copy returns an error ("error") or raises ("raise"), or every pool key is evicted between B's
+    first schedule and its load ("evict"); pool_load_recovery reports the load, B's request is
+    preempted and recomputes its prompt."""
+    pool = make_pool()
+    _fill(pool)
+    asy = scheduling == "async"
+    b = PoolInstance(pool, name="B", tp=2, kv_load_failure_policy="recompute", async_scheduling=asy,
+                     long_prefill_token_threshold=16 if asy else 0)
+    tap = StatsTap(b)
+    group = str(b.group_of[b.gdn_layers[0]])
+    f = None
+    if fault in ("error", "raise", "gate"):
+        f = pool.add_fault(fault, direction=G2L, times=1, match=lambda k: k.split("@")[1] == group)
+    evicted: list[str] = []
+
+    def after_schedule(inst, _so):
+        if fault == "evict" and inst.steps == 0:
+            evicted.extend(pool.evict(lambda _k: True))
+
+    def on_step(inst, _so):
+        if f is not None and inst.steps >= 1:
+            f.gate.set()  # the gated copy returns after the bounded wait gave up (or never: other faults)
+
+    b.after_schedule = after_schedule
+    b.add_request("b", B_PROMPT_ASYNC if asy else B_PROMPT, max_tokens=3)
+    engine_loop(b, on_step=on_step)
+    assert not b.has_work() and pool.violations == []
+    assert (f.hits == 1) if f is not None else (bool(evicted) == (fault == "evict"))
+    return b, tap
+
+
+@pytest.mark.pairs("v0300")
+def test_pool_metrics_applies_on_030():
+    try:
+        _activate(True)
+        states = {st.name: st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == pool_metrics.GROUP}
+        assert {n: s for n, s in states.items() if n.endswith("_030")} == dict.fromkeys((s.name for s in pool_metrics_030.SPECS), APPLIED)
+    finally:
+        _activate(True)
+
+
+@pytest.mark.pairs("v0300")
+def test_030_a_pool_hit_shows_its_state_bytes_next_to_upstreams_figures(library):
+    library(True)
+    b, tap = _recovered_run(None)
+    got = _figures(tap, b)
+    expected = _hit_mamba_bytes(b)  # one GDN state per GDN layer per rank
+    up = _upstream_figures(tap, b)
+    print(f"\n0.30 clean hit: mamba state bytes expected {expected:.0f}, scraped {got[MAMBA]:.0f}; vllm-ascend's own: {up}")
+    assert got == ZERO | {MAMBA: expected}
+    # vllm-ascend's own four are registered and stay 0 on the layerwise path (README: why)
+    assert up == dict.fromkeys(UPSTREAM_030, 0.0)
+    lines = tap.log_lines()
+    assert len(lines) == 1 and f"{MAMBA}={int(expected)}" in lines[0], lines
+    assert "ascend_store_delayed_release_requests=0" in lines[0], lines  # upstream's reduce, extended
+    # a step with nothing to report carries upstream's None (the scheduler's get_stats, a worker's empty stats)
+    assert any(s.kv_connector_stats is None for s in tap.stats)
+
+
+@pytest.mark.pairs("v0300")
+@pytest.mark.parametrize(
+    "fault,kind,scheduling",
+    [("error", "load_failed", "sync"), ("raise", "load_raised", "sync"), ("evict", "load_failed", "sync"),
+     ("gate", "load_late", "sync"), ("error", "load_failed", "async")],
+)
+def test_030_a_recovered_load_is_counted_by_kind_with_its_rollback(library, monkeypatch, fault, kind, scheduling):
+    """B's 32-token hit fails to load (pool_load_recovery reports it, B's request is preempted and
+    recomputes its prompt): the failure by kind, the request rolled back, the tokens it recomputes, the
+    GDN bytes that did load; vllm-ascend's own four stay 0 (the layerwise path feeds none of them)."""
+    from ascend_layerwise_patch.patches import _failed_load
+
+    library(True)
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # the layer wait's bound (pool_load_wait_bound), for the gate
+    b, tap = _recovered_run(fault, scheduling)
+    got = _figures(tap, b)
+    mamba = got.pop(MAMBA)
+    up = _upstream_figures(tap, b)
+    lines = tap.log_lines()
+    print(f"\n0.30 {fault} {scheduling}: {got} mamba {mamba:.0f} (a full hit: {_hit_mamba_bytes(b):.0f}); vllm-ascend's own: {up}; {lines}")
+    n_kind = 2.0 if fault == "evict" else 1.0  # a key gone: each rank's worker reports the request's load
+    # rolled back to token 0 (align mode keeps the latest GDN state only): the 32 tokens hit, and under
+    # async scheduling the 16-token chunk computed in the step already in flight
+    recomputed = 48.0 if scheduling == "async" else 32.0
+    # 0 keys failed: 0.30's load step saves nothing for the request, and the later steps' saves are dropped
+    # by pool_load_recovery before any key is allocated (counted by that group as saves_dropped)
+    zero = {k: v for k, v in ZERO.items() if k != MAMBA}
+    assert got == zero | {kind: n_kind, "requests_rolled_back": 1.0, "tokens_recomputed": recomputed}
+    if fault == "evict":  # nothing loaded
+        assert mamba == 0.0
+    elif fault == "gate":  # the gated copy returns after the step gave up: never a full hit
+        assert 0 <= mamba < _hit_mamba_bytes(b)
+    else:  # the failed copy (one GDN layer on one rank) is not counted, the rest is
+        assert mamba == _hit_mamba_bytes(b) - _state_bytes(b)
+    assert up == dict.fromkeys(UPSTREAM_030, 0.0)
+    assert len(lines) == 1 and f"{kind}={int(n_kind)}" in lines[0] and "requests_rolled_back=1" in lines[0], lines
+    assert f"tokens_recomputed={int(recomputed)}" in lines[0] and "ascend_store_delayed_release_blocks=0" in lines[0], lines
+
+
+@pytest.mark.pairs("v0300")
+def test_030_with_the_group_off_a_recovered_load_shows_nothing(library):
+    library(False)
+    b, tap = _recovered_run("error")
+    assert tap.scrape("vllm:ascend_pool") == {}
+    assert _upstream_figures(tap, b) == dict.fromkeys(UPSTREAM_030, 0.0)  # vllm-ascend's own are still there
+    assert all(s.kv_connector_stats is None for s in tap.stats) and tap.log_lines() == []
+    pool_events.drain()  # what the other groups counted meanwhile

@@ -38,11 +38,12 @@ from ascend_layerwise_patch.patches import SPECS as ALL_SPECS  # noqa: E402
 from ascend_layerwise_patch.patches import mamba_local_hit
 from ascend_layerwise_patch.patches import pool_hit_boundary, pool_key_tp, pool_load_recovery  # noqa: E402
 from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy  # noqa: E402
+from ascend_layerwise_patch.patches.pool_metrics import v030 as pool_metrics_030  # noqa: E402
 
 ON_030 = {
     s.name
     for m in (connector_guards, gdn_layerwise, mamba_precopy, postprocess_kernel, mamba_local_hit, pool_hit_boundary, pool_key_tp,
-              pool_load_recovery)
+              pool_load_recovery, pool_metrics_030)
     for s in m.SPECS
 }
 #: vLLM 0.30 only: vLLM 0.29's scheduler cannot take a hybrid load-failure report (one group unpacked)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import time
 
+from ... import pool_events
 from ...host import logger
 from .._checks import Counts
 from .._checks import detect_at as _detect_at
@@ -177,6 +178,7 @@ class _BoundedEvents:
         layer = worker.current_layer
         blocks = _give_up(worker, step, layer)
         COUNTS.add("waits_timed_out")
+        pool_events.bump("load_late")  # pool_metrics: vllm:ascend_pool_load_failures_total{kind="late"}
         logger().warning(
             "ascend_layerwise_patch: KV pool layerwise load of layer %d did not finish within %.1f s "
             "(requests %s); every load block of the step (%s) is reported as failed and the step's "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 
+from ... import pool_events
 from ...host import logger
 from .._checks import Counts
 from .._checks import detect_at as _detect_at
@@ -200,6 +201,7 @@ def _recover(worker, request, released: list[str], done: list, failed: set) -> N
     with worker._invalid_block_ids_lock:
         worker._invalid_block_ids.update(blocks)
     _count("failed_loads_reported")
+    pool_events.bump("load_failed")  # pool_metrics: a key gone before the load is a load that failed
     _count("blocks_reported", len(blocks))
     _count("saves_dropped", dropped)
     logger().warning(
@@ -270,11 +272,15 @@ def make_batch_copy(original):
         if direction != 1:
             return original(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes)
         try:
-            return original(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes)
+            res = original(self, gvas, addrs, sizes, direction, max_transfer_blocks, max_transfer_bytes)
         except Exception as exc:  # noqa: BLE001 - a raising store is a failed copy
             logger().warning("ascend_layerwise_patch: KV pool load copy raised (%s: %s); treated as a failed copy",
                              type(exc).__name__, exc)
+            pool_events.bump("load_raised")  # pool_metrics: vllm:ascend_pool_load_failures_total{kind="raised"}
             return -1
+        if res != 0:
+            pool_events.bump("load_failed")  # ... {kind="failed"}
+        return res
 
     return _batch_copy_with_limits
 

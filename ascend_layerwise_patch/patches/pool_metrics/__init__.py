@@ -6,7 +6,9 @@ Target   vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_c
          KVConnectorBase_V1, where they return None); for the mamba state bytes loaded (loads.py):
          pool_worker:KVPoolWorker._build_shared_load_data and the layerwise receiving thread's
          KVCacheStoreLayerRecvingThread._handle_request / ._batch_copy_with_limits.
-Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases).
+Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). On vllm-ascend 0.30.0rc2
+         (vLLM 0.29 / 0.30), which has a stats path of its own, the group's ``*_030`` members (v030.py)
+         extend that path instead (issue 34).
 Why      Everything this library catches (failed / raising / late loads, requests rolled back, pool
          keys finished as failed, stuck sends, saves shed, blocks held by open send events) is only
          in a log line or in ``status()`` inside the process. vLLM already carries connector stats
