@@ -153,6 +153,7 @@ def test_the_next_step_waits_for_the_pre_copy_upload(monkeypatch, library):
     assert on.wrong_rows == 0
 
 
+@pytest.mark.control("the fence detectors read the installed scheduler: no patch involved")
 def test_the_fence_checks_read_the_installed_scheduler(monkeypatch):
     """Precondition and fixed-upstream detector on the installed source, and on edited copies of it."""
     import ast

@@ -79,6 +79,7 @@ def test_dummy_step_without_metadata_makes_no_connector_call(plumbing):
     assert calls == [] and connector.current_layer == 0
 
 
+@pytest.mark.control("a step with connector metadata: the helpers wait and save with or without the guard")
 def test_step_with_metadata_waits_and_saves_each_layer_once(plumbing):
     modules, connector, config, set_fc, Meta = plumbing
     connector.bind_connector_metadata(Meta())
@@ -97,6 +98,7 @@ def test_step_with_metadata_waits_and_saves_each_layer_once(plumbing):
     assert connector.current_layer == len(expected)
 
 
+@pytest.mark.control("no attention metadata: vllm-ascend's helpers return early with or without the guard")
 def test_profile_run_with_no_attention_metadata_stays_silent(plumbing):
     modules, connector, config, set_fc, Meta = plumbing
     connector.bind_connector_metadata(Meta())
@@ -110,6 +112,7 @@ def test_profile_run_with_no_attention_metadata_stays_silent(plumbing):
     assert connector.calls == []
 
 
+@pytest.mark.control("the library reverted in the test: it pins the defect of the unpatched helpers in both modes")
 def test_without_the_patch_the_dummy_step_moves_the_counter(plumbing):
     """The defect itself, on the unpatched 0.25.1rc1 helpers: this is what the guard prevents."""
     modules, connector, config, set_fc, _ = plumbing

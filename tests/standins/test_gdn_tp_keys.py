@@ -109,6 +109,7 @@ def test_every_rank_loads_its_own_gdn_slice(library, tp, kv_heads):
 
 
 @pytest.mark.parametrize("tp,kv_heads", LAYOUTS)
+@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_unpatched_ranks_load_another_ranks_slice(library, tp, kv_heads):
     library(False)
     _pool, _a, b, held = _save_then_hit(tp, kv_heads)

@@ -24,7 +24,7 @@ if PAIR not in PAIRS:
 from byte_store import G2L  # noqa: E402
 from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
 
-pytestmark = pytest.mark.pairs(*PAIRS)
+pytestmark = [pytest.mark.pairs(*PAIRS), pytest.mark.control("vllm-ascend 0.26.0rc1's own fail-fast stop: nothing of this library changes it (load_failures is out of range)")]
 
 PROMPT = list(range(3000, 3040))
 B_PROMPT = PROMPT[:32] + list(range(6000, 6016)) + [1, 2, 3, 4, 5]

@@ -66,6 +66,7 @@ def test_save_then_pool_hit_on_a_second_instance():
     assert pool.violations == []
 
 
+@pytest.mark.control("no connector: vLLM's own prefix cache, no patch involved")
 def test_local_prefix_hit_without_a_connector():
     """The control: no KV connector at all; vLLM's own prefix cache serves B's first 32 tokens."""
     inst = PoolInstance(None, name="local")

@@ -43,7 +43,9 @@ def _set(*, off: tuple[str, ...] = (), library: bool = True) -> None:
     """Re-activate the library: whole, without the named groups, or not at all."""
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_LAYERWISE_PATCH")}
+    # this module's own switches only; the process's ASCEND_LAYERWISE_PATCH stays (=0: nothing applies,
+    # so every defect test fails on its defect: scripts/library_off.py)
+    env = {k: v for k, v in os.environ.items() if k == "ASCEND_LAYERWISE_PATCH" or not k.startswith("ASCEND_LAYERWISE_PATCH")}
     if not library:
         env["ASCEND_LAYERWISE_PATCH"] = "0"
     elif off:

@@ -73,6 +73,7 @@ def test_activated_first_then_ascend_patch():
 
 
 @pytest.mark.pairs("v0251", "v0260")
+@pytest.mark.control("a child that activates with an empty environment of its own (activate({})): not this process's switch")
 def test_ascend_patch_first_then_activated():
     """vllm-ascend's patch_mamba_utils already copied its 17-parameter kernel into vLLM when the
     library activates (importing the stand-ins imports the package, so it starts switched off

@@ -95,6 +95,7 @@ def test_no_key_ready_with_an_unwritten_slot(patched, kind, tp):
         assert s["failed"] == 0
 
 
+@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_unpatched_publishes_keys_with_unwritten_slots(unpatched):
     """vllm-ascend 0.25.1rc1 as released: a layer copy that raises leaves its slot unwritten and the
     key is still finished with result 0 after the final layer."""
@@ -163,6 +164,7 @@ def test_stuck_copy_warns_and_holds(patched, vllm_log, monkeypatch):
     print(f"\nhung copy {hung_for:.2f} s: {len(first)} warnings, first: {first[0].getMessage()}")
 
 
+@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_unpatched_stuck_copy_is_silent(unpatched, vllm_log):
     h = make_lifetime(tp=1, num_blocks=32)
     try:

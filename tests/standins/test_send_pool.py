@@ -196,6 +196,7 @@ def test_faulty_layer_never_ready(patched, kind, tp):
 
 
 @pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
+@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_unpatched_raising_layer_publishes_a_gap(unpatched, monkeypatch):
     import harness_pool
 
@@ -318,6 +319,7 @@ def test_hung_copy_warned_held_released(patched, vllm_log, monkeypatch):
 
 
 @pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)  # 0.26's save_kv_layer waits without a limit: a hung copy holds the step
+@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_unpatched_hung_copy_is_silent(unpatched, vllm_log):
     """The same hung copy with the library off: nothing names it within save_kv_layer's wait and a
     margin (the loop stops once the request finished; the blocks it reads are freed meanwhile)."""
@@ -421,6 +423,7 @@ def without_push_work(patched, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["without_push_work", "unpatched"])
+@pytest.mark.control("the idle-pin defect pinned without the fix (unpatched, or without its idle-step push)")
 def test_idle_controls_pin_blocks(case, request):
     """The same idle workload (sends outliving their requests) without the change: the loop stops
     with send events open, their blocks pinned, and a cache reset that preempts everything raises.

@@ -10,7 +10,7 @@ from ascend_layerwise_patch.patches import gdn_tp_keys, load_failures
 
 from support import PAIR
 
-pytestmark = pytest.mark.pairs("v0260")
+pytestmark = [pytest.mark.pairs("v0260"), pytest.mark.control("the fix detectors run on vllm-ascend 0.26.0rc1's own code: no patch involved")]
 if PAIR != "v0260":
     pytest.skip(f"for pair v0260; installed: {PAIR}", allow_module_level=True)
 
