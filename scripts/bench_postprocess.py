@@ -11,7 +11,7 @@ into a temporary folder, extracts just the two kernel files into ``.bench/`` (gi
 it to the device; ``ALP_BENCH_DIR`` moves it) and deletes the wheels.
 At run time the kernel functions are lifted out of those files with ``ast`` into
 ``.bench/_rt_*.py`` and imported with plain ``triton``: no vLLM needed, none of their code kept
-here. Kernels: ours (``ascend_layerwise_patch/kernels/postprocess.py``, loaded by path, so the
+here. Kernels: ours (``ascend_layerwise_patch/kernels/``' launcher, loaded by path, so the
 package and its dependencies are not needed), vLLM 0.25.1's, vllm-ascend 0.25.1rc1's old
 17-parameter kernel (V1 callers and the dim-last layout only: it has no dim-first support), and
 a plain ``torch`` copy of the same bytes. Every kernel's output is checked against a PyTorch
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import zipfile
 from pathlib import Path
 
@@ -104,7 +105,12 @@ def _import(name: str, path: Path):
 
 
 def load_ours():
-    return _import("alp_postprocess", ROOT / "ascend_layerwise_patch" / "kernels" / "postprocess.py")
+    """Our launcher by path: a package object of its own for kernels/ (no library __init__: no wrapt)."""
+    if "alp_kernels" not in sys.modules:
+        package = types.ModuleType("alp_kernels")
+        package.__path__ = [str(ROOT / "ascend_layerwise_patch" / "kernels")]
+        sys.modules["alp_kernels"] = package
+    return importlib.import_module("alp_kernels.postprocess_launch")
 
 
 # ----------------------------------------------------------------------------- a mamba cache

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from ascend_layerwise_patch.kernels.postprocess import PARAMS, PostprocessKernel
+from ascend_layerwise_patch.kernels.postprocess import PARAMS
+from ascend_layerwise_patch.kernels.postprocess_launch import PostprocessKernel
 from ascend_layerwise_patch.patches import postprocess_kernel as patch
 
 #: pairs whose vLLM launches the kernel with the 23 parameters from both callers (V1 and V2 align)

@@ -19,7 +19,7 @@ NAMES = ("postprocess_kernel", "postprocess_v2_out_buffer")
 
 PROBE = """
 import json
-from ascend_layerwise_patch.kernels.postprocess import PostprocessKernel
+from ascend_layerwise_patch.kernels.postprocess_launch import PostprocessKernel
 from ascend_layerwise_patch.patches.postprocess_kernel import kernel_params
 
 def probe():

@@ -13,7 +13,7 @@ import ascend_layerwise_patch.patches as patches
 PATCHES = pathlib.Path(patches.__file__).parent
 #: modules every package may import: the shared helpers, the neutral event counters, the host
 SHARED = {"_checks", "_failed_load", "_ranges", "_targets"}
-NEUTRAL = {"host", "pool_events", "kernels", "kernels.postprocess"}
+NEUTRAL = {"host", "pool_events", "kernels", "kernels.postprocess", "kernels.postprocess_launch"}
 
 
 def _index() -> list[tuple[str, str, str]]:

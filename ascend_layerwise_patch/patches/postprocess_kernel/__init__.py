@@ -16,7 +16,7 @@ Why      vllm-ascend 0.25.1rc1 still ships the 17-parameter kernel of vLLM 0.23 
          0) writes ``num_accepted = 1`` in place while the programs for the request's other
          states read it to decide their copies: a race between programs (always lost under
          Triton's interpreter, which runs programs in order).
-How      ``postprocess_kernel``: installs :class:`~ascend_layerwise_patch.kernels.postprocess.
+How      ``postprocess_kernel``: installs :class:`~ascend_layerwise_patch.kernels.postprocess_launch.
          PostprocessKernel`, this library's own kernel with the 23-parameter signature (a launcher
          object; see that module for the design and why it suits triton-ascend). Its Triton code
          is compiled on the first launch, so installing it needs neither triton nor a device --
@@ -152,7 +152,7 @@ def _v2_caller_passes_out(original) -> str | None:
 @functools.lru_cache(maxsize=None)
 def shared_kernel():
     """The one kernel object both patches install / launch."""
-    from ...kernels.postprocess import PostprocessKernel
+    from ...kernels.postprocess_launch import PostprocessKernel
 
     return PostprocessKernel()
 
