@@ -39,8 +39,17 @@ def _cache_regions(rank: _Rank, num_blocks: int) -> tuple[int, list[tuple[int, i
     return _os.getpid(), [(raw.data_ptr(), raw.numel(), raw.numel() // num_blocks) for raw in rank._raw]
 
 
-def _send_backlog(rank: _Rank) -> int:
-    return rank.connector.connector_worker.kv_send_thread.request_queue.qsize()
+#: a sending thread whose backlog has not moved this long, nothing queued, is quiet (a request that
+#: raised in it is never done)
+QUIET_S = 0.5
+
+
+def _send_backlog(rank: _Rank) -> tuple[int, int]:
+    """(requests queued, requests taken but not done) of the rank's layer sending thread: upstream's
+    ``_handle_request`` calls ``task_done`` when it finished a request (one that raised is never
+    done: its count stays)."""
+    queue = rank.connector.connector_worker.kv_send_thread.request_queue
+    return queue.qsize(), queue.unfinished_tasks
 
 
 class BlockOwners:
@@ -273,10 +282,20 @@ class Lifetime:
         engine_loop(self.inst, max_steps=max_steps)
         if not self.cs.sending_events:  # every send reported (the library keeps the loop going until then)
             return
-        deadline = time.monotonic() + timing.GATE_LIMIT_S
-        while any(self.inst.on_ranks(_send_backlog)) and time.monotonic() < deadline:
+        # quiet: nothing queued and nothing taken but not done -- or, where a request raised in the
+        # thread (never done), nothing moved for QUIET_S; never longer than GATE_LIMIT_S
+        now = time.monotonic()
+        deadline, last, since = now + timing.GATE_LIMIT_S, None, now
+        while now < deadline:
+            backlog = self.inst.on_ranks(_send_backlog)
+            if all(queued == 0 and taken == 0 for queued, taken in backlog):
+                break
+            if backlog != last:
+                last, since = backlog, now
+            elif all(queued == 0 for queued, _ in backlog) and now - since >= QUIET_S:
+                break
             time.sleep(0.005)
-        time.sleep(0.02)  # the copy a thread took off its queue
+            now = time.monotonic()
         engine_loop(self.inst, max_steps=max_steps)
 
     def close(self) -> None:
