@@ -3,6 +3,10 @@
 
     python scripts/library_off.py v0300 [v0251 ...]   runs tests/standins of each pair's venv twice,
                                                      as configured and with ASCEND_LAYERWISE_PATCH=0
+    python scripts/library_off.py v0251 --on ON.xml [--off OFF.xml]
+                                                     one pair, reusing junit files of earlier runs (the
+                                                     as-configured run; a partial library-off run: the
+                                                     tests it lacks are run)
 
 A defect test must fail without the library (on its defect assertion: wrong reads, wrong tokens, a
 stop); a test that passes in both modes must say why, with ``@pytest.mark.control("why")``: a
@@ -62,10 +66,10 @@ def _workers() -> list[str]:
     return ["-n", str(n), "--dist", "loadfile"] if n > 1 else []
 
 
-def _run(python: str, env: dict[str, str], junit: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(python: str, env: dict[str, str], junit: Path, targets=("tests/standins",)) -> subprocess.CompletedProcess:
     return subprocess.run(
         [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", *_workers(), f"--junitxml={junit}",
-         "-o", "junit_logging=system-out", "tests/standins", *args],
+         "-o", "junit_logging=system-out", *targets],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -84,14 +88,22 @@ def _controls(python: str, env: dict[str, str]) -> set[str]:
     return {line.strip() for line in proc.stdout.splitlines() if "::" in line}
 
 
-def check_pair(pair: str, root: Path) -> bool:
+def check_pair(pair: str, root: Path, reuse_on: Path | None = None, reuse_off: Path | None = None) -> bool:
     python = str(root / pair / "bin" / "python")
     base = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_LAYERWISE_PATCH")}
+    off_env = {**base, "ASCEND_LAYERWISE_PATCH": "0"}
     with tempfile.TemporaryDirectory() as tmp:
-        on_xml, off_xml = Path(tmp) / "on.xml", Path(tmp) / "off.xml"
-        _run(python, base, on_xml)
-        _run(python, {**base, "ASCEND_LAYERWISE_PATCH": "0"}, off_xml)
-        on, off, evidence = _outcomes(on_xml), _outcomes(off_xml), _evidence(off_xml)
+        on_xml, off_xml = reuse_on or Path(tmp) / "on.xml", Path(tmp) / "off.xml"
+        if reuse_on is None:
+            _run(python, base, on_xml)
+        on = _outcomes(on_xml)
+        off, evidence = {}, {}
+        if reuse_off is not None:
+            off, evidence = _outcomes(reuse_off), _evidence(reuse_off)
+        rest = sorted(t for t in on if t not in off)
+        if rest:
+            _run(python, off_env, off_xml, rest if off else ("tests/standins",))
+            off, evidence = {**off, **_outcomes(off_xml)}, {**evidence, **_evidence(off_xml)}
     controls = _controls(python, base)
     both = {t for t, o in on.items() if o == "passed" and off.get(t) == "passed"}
     fail_off = sorted(t for t, o in on.items() if o == "passed" and off.get(t) == "failed")
@@ -120,6 +132,15 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     root = Path(os.environ.get("ALP_MATRIX_DIR", ROOT / ".matrix"))
+    if "--on" in argv:
+        i = argv.index("--on")
+        reuse_on = Path(argv[i + 1])
+        reuse_off = Path(argv[argv.index("--off") + 1]) if "--off" in argv else None
+        pairs = [a for a in argv if not a.startswith("--") and not a.endswith(".xml")]
+        if len(pairs) != 1:
+            print("library_off: --on / --off take one pair")
+            return 2
+        return 0 if check_pair(pairs[0], root, reuse_on, reuse_off) else 1
     ok = [check_pair(pair, root) for pair in argv]
     return 0 if all(ok) else 1
 

@@ -1,6 +1,7 @@
 """Real vLLM + vllm-ascend with the NPU runtime stood in; the library activated before vLLM loads."""
 
 import logging
+import sys
 
 import pytest
 
@@ -43,3 +44,13 @@ def patched():
     reg.activate()
     yield reg
     reg.activate()
+
+
+@pytest.fixture(autouse=True)
+def _rank_processes_closed():
+    """After each test: the rank processes of every pool instance it left open are closed (a test
+    that failed before closing its instances would leave them running)."""
+    yield
+    rank_procs = sys.modules.get("rank_procs")
+    if rank_procs is not None:
+        rank_procs.close_all()

@@ -51,6 +51,20 @@ class RankFailure(AssertionError):
     """One or more rank processes raised or did not answer in time."""
 
 
+#: every instance's rank processes not closed yet (the standins conftest closes them after each test:
+#: a test that fails before its instance's close must not leave TP ranks running, or a suite's
+#: failed tests pile up processes until the machine runs out of memory)
+LIVE: list[RankProcesses] = []
+
+
+def close_all() -> int:
+    """Close every instance's rank processes still open; how many instances that was."""
+    left = list(LIVE)
+    for procs in left:
+        procs.close()
+    return len(left)
+
+
 class RankProcesses:
     """The parent's handle on one instance's rank processes."""
 
@@ -66,6 +80,7 @@ class RankProcesses:
         self.conns, self.procs = [], []
         self.closed = False
         self.reply_limit = REPLY_LIMIT_S  # a test may shorten it
+        LIVE.append(self)
         for r in range(self.tp):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -154,6 +169,8 @@ class RankProcesses:
         if self.closed:
             return
         self.closed = True
+        if self in LIVE:
+            LIVE.remove(self)
         for conn in self.conns:
             try:
                 conn.send(("close",))
@@ -240,8 +257,20 @@ def _fresh_std_streams() -> None:
         handler.stream = swap[id(stream)]  # not setStream: it would flush the old stream
 
 
+def _die_with_parent() -> None:
+    """Linux: this rank process is killed when the process that forked it dies (a test process
+    killed mid-test must not leave its TP ranks running)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
     try:
+        _die_with_parent()
         _fresh_std_streams()
         # the engine's process may have run OpenMP regions (torch's intra-op pool): a forked child's
         # first parallel region would wait for the parent's pool threads forever (as DataLoader
