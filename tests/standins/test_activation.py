@@ -366,6 +366,7 @@ def test_disabled_by_environment():
 
 
 @pytest.mark.pairs("v0251")  # on v0250 vllm-ascend's worker patches do not import: no worker there settles
+@pytest.mark.control("the summary line's count and format through vLLM's logger: one line whether the library applies or is switched off")
 def test_one_summary_line_through_vllms_logger():
     worker = "import vllm_ascend.patch.worker, vllm_ascend.attention.utils\n" + (
         "import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector\n"

@@ -337,3 +337,9 @@ def test_pool_hit_group_off_reads_wrong_states(library_on):
     table = {name: wrong_layers(name) for name in ("whole_prompt_one_chunk", "whole_prompt_16_token_chunks", "first_block_only")}
     print(f"\nmamba_pool_hit off: {table}")
     assert all(wrong_gdn > 0 for wrong_gdn, _attn, _starts in table.values()), table
+
+
+if PAIR == "v0251":  # on 0.26.0rc1 the library-off run hangs before any state is read (no GDN layer wait)
+    test_pool_hit_group_off_reads_wrong_states = pytest.mark.control(
+        "the defect pinned with mamba_pool_hit skipped in the test: with the library off the same wrong reads show"
+    )(test_pool_hit_group_off_reads_wrong_states)

@@ -225,7 +225,7 @@ def test_failed_step_saves_are_never_published(library, expected, monkeypatch, f
     run.check_clean_end()
 
 
-@pytest.mark.parametrize("mode", ["off", "saves_off"])
+@pytest.mark.parametrize("mode", [pytest.param("off", marks=pytest.mark.control("the library's load-failure handling off in the test: vllm-ascend as released, the same with the library off")), "saves_off"])
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_without_the_fix_the_failed_step_poisons_the_pool(library, expected, mode, scheduling):
     """The library's load-failure handling off (vllm-ascend as released, policy ``fail`` since it
