@@ -109,7 +109,6 @@ def test_every_rank_loads_its_own_gdn_slice(library, tp, kv_heads):
 
 
 @pytest.mark.parametrize("tp,kv_heads", LAYOUTS)
-@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_unpatched_ranks_load_another_ranks_slice(library, tp, kv_heads):
     library(False)
     _pool, _a, b, held = _save_then_hit(tp, kv_heads)
@@ -123,6 +122,7 @@ def test_unpatched_ranks_load_another_ranks_slice(library, tp, kv_heads):
 
 
 @pytest.mark.parametrize("tp,kv_heads", [(2, 1)])
+@pytest.mark.control("attention keys are upstream's with or without the group (a compatibility control)")
 def test_full_attention_keys_unchanged(library, tp, kv_heads):
     """Attention keys and bytes are what upstream writes: existing pools stay valid."""
     library(False)

@@ -144,7 +144,6 @@ def test_blocked_load_times_out_and_is_recomputed(library, expected, monkeypatch
     run.check_clean_end()
 
 
-@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_unpatched_computes_on_unloaded_blocks(library, expected):
     """vllm-ascend as released (this group off): nothing is reported, b computes on garbage."""
     library(False)

@@ -150,6 +150,7 @@ def test_hybrid_unaffected_blocks_change_nothing(patched):
     assert a.num_computed_tokens == 16
 
 
+@pytest.mark.control("a single-group model: the group hands it to upstream, the same with the library off")
 def test_single_group_runs_upstream(patched):
     p = Pool(hybrid=False)
     a = p.admit("a", external=8, new=8)
@@ -157,6 +158,7 @@ def test_single_group_runs_upstream(patched):
     assert a.num_computed_tokens == BS  # upstream: truncated at the first failed block
 
 
+@pytest.mark.control("a resume point computed by vLLM's own block bookkeeping: no patch involved")
 def test_resume_point_keeps_a_valid_prefix():
     """A held, valid GDN state before the bad attention block is a resume point."""
     attn = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)

@@ -176,7 +176,6 @@ CONTROL_S = 6.0  # the control stops here (with the bound, the same workload fin
 
 
 @pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
-@pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
 def test_without_the_bound_the_pool_is_pinned(shedding_off):
     """The control: the same slow store with ``..._SEND_BACKLOG=off``. Open sends hold more block
     references than the bound, the pool runs full, requests are still unfinished when the run
