@@ -82,6 +82,17 @@ def unpatched():
     reg.activate()
 
 
+@pytest.fixture
+def off_throughout(unpatched, monkeypatch):
+    """The library off for a whole harness run: reverted, and switched off in the environment, so
+    that an activation inside the test (vLLM's general plugins loaded by the harness's first use in
+    this process, or a rank process of its own) applies nothing -- that re-activation once made the
+    seed race run patched and show no foreign read."""
+    monkeypatch.setenv("ASCEND_LAYERWISE_PATCH", "0")
+    yield
+    monkeypatch.undo()
+
+
 def _race(h: Lifetime) -> None:
     """A slow send (past the step's wait) of a request that finishes; another request reuses its blocks."""
     h.add("a", 8, decode_steps=0, behaviour="slow")
@@ -97,7 +108,7 @@ def _race(h: Lifetime) -> None:
 @pytest.mark.pairs(*SAVE_TIMES_OUT)
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-processes"])
 @pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
-def test_seed_race_detected(unpatched, tp):
+def test_seed_race_detected(off_throughout, tp):
     """The seed change (no touch in layerwise mode): a's blocks go to b while a's send reads them
     (at TP 2 each rank is a process: its copies read its own memory, BlockOwners maps them by pid)."""
     h = make_lifetime(tp=tp, num_blocks=RACE_BLOCKS, seed_skip_touch=True)
@@ -113,7 +124,7 @@ def test_seed_race_detected(unpatched, tp):
 
 @pytest.mark.pairs("v0260")
 @pytest.mark.control("vllm-ascend 0.26.0rc1's own wait for a slow send, the group reverted in the test")
-def test_save_waits_for_a_slow_send(unpatched):
+def test_save_waits_for_a_slow_send(off_throughout):
     """vllm-ascend 0.26.0rc1: the step's last save_kv_layer waits for the sending thread without a
     limit, so the seed's scenario has no race left: a's blocks are read before a finishes."""
     h = make_lifetime(tp=1, num_blocks=RACE_BLOCKS, seed_skip_touch=True)
@@ -175,7 +186,7 @@ def _workload(h: Lifetime, n: int) -> None:
 
 @pytest.mark.pairs(*POOL_PAIRS)
 @pytest.mark.control("the defect pinned with the group reverted in the test: passes in both modes by design (its fixed twin fails without the library)")
-def test_unpatched_leaks(unpatched):
+def test_unpatched_leaks(off_throughout):
     """vllm-ascend 0.25.1rc1 as released: touched mamba blocks are never released in layerwise mode."""
     leaks = {}
     for n in (10, 20):

@@ -43,13 +43,18 @@ def test_send_integrity_applies(patched):
 
 
 @pytest.fixture
-def unpatched():
+def unpatched(monkeypatch):
+    import harness_pool
+
+    harness_pool.setup_runtime()  # before the revert: its plugin load would activate the library again
+    monkeypatch.setenv("ASCEND_LAYERWISE_PATCH", "0")  # and nothing the test starts activates it
     reg = ascend_layerwise_patch.REGISTRY
     reg.revert()
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import kv_transfer
 
     assert not hasattr(vars(kv_transfer.KVCacheStoreLayerSendingThread)["_handle_request"], MARKER)
     yield
+    monkeypatch.undo()
     reg.activate()
 
 
