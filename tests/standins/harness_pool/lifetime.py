@@ -280,8 +280,8 @@ class Lifetime:
         the sending threads to go quiet (a send the engine no longer steps for still copies)."""
         self.open_all_gates()
         engine_loop(self.inst, max_steps=max_steps)
-        if not self.cs.sending_events:  # every send reported (the library keeps the loop going until then)
-            return
+        # then the sending threads, whatever the scheduler tracks (without the library's touch -- the
+        # seed -- it tracks no send at all, and a copy just let through its gate still runs)
         # quiet: nothing queued and nothing taken but not done -- or, where a request raised in the
         # thread (never done), nothing moved for QUIET_S; never longer than GATE_LIMIT_S
         now = time.monotonic()
