@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import time
 from collections.abc import Callable, Iterable
 
@@ -34,6 +35,9 @@ def handle_invalid_ok(original, release_problem: Callable[[object], str | None])
         return problem
     if not callable(getattr(importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager, "evict_blocks", None)):
         return "KVCacheManager.evict_blocks is gone"
+    pool = importlib.import_module("vllm.v1.core.block_pool").BlockPool
+    if "self.blocks" not in inspect.getsource(pool.__init__):
+        return "BlockPool no longer keeps its blocks in .blocks"  # sharing_requests reads them
     return None
 
 
@@ -74,6 +78,7 @@ def make_handle_invalid(
             return failed
         points = {r.request_id: r.num_computed_tokens for r in rolled}  # where vLLM rolled each back to
         evict = evicted(self, rolled, points, num_scheduled_tokens)
+        sharing = sharing_requests(self, set(failed), evict)  # read before the eviction drops the hashes
         if evict:
             self.kv_cache_manager.evict_blocks(evict)
         now = time.monotonic()
@@ -88,9 +93,47 @@ def make_handle_invalid(
         pool_events.bump("requests_rolled_back", len(rolled))
         pool_events.bump("tokens_recomputed", sum(before.get(r, 0) - points[r] for r in ids))
         logger().warning(message, ids, len(evict))
-        return failed
+        if not sharing:
+            return failed
+        for request in sharing:  # not marked: their own pool hits, if any, did not fail
+            self.running.remove(request)
+            preempt(self, request, now, num_scheduled_tokens)
+        shared = sorted(r.request_id for r in sharing)
+        if counts is not None:
+            counts.add("requests_rolled_back", len(sharing))
+        pool_events.bump("requests_rolled_back", len(sharing))
+        pool_events.bump("tokens_recomputed", sum(before.get(r, 0) for r in shared))
+        logger().warning(
+            "ascend_layerwise_patch: request(s) %s preempted with them: a local prefix hit gave them blocks "
+            "the failed load left unloaded or that were computed from it (their output of the steps "
+            "scheduled since is dropped)",
+            shared,
+        )
+        return set(failed) | set(shared)  # update_from_output skips their output of this step too
 
     return _handle_invalid_blocks
+
+
+def sharing_requests(scheduler, failed: set, evict: set) -> list:
+    """Running requests, besides the ``failed`` ones, that hold one of the ``evict`` blocks while it
+    is still in the prefix cache: a local hit gave it to them -- scheduled in the failed step's own
+    batch, or, under async scheduling, in a step scheduled before the failure reached the scheduler.
+    They computed (or are computing) on never-loaded blocks or on blocks computed from them, so they
+    go back with the failed requests (issue 32). A block freed by align mode and allocated afresh to
+    another request is no longer cached under its old hash until that request fills it; if it did,
+    the request is preempted needlessly: time only, on a failure."""
+    if not evict:
+        return []
+    manager = scheduler.kv_cache_manager
+    blocks = manager.block_pool.blocks
+    cached = {b for b in evict if getattr(blocks[b], "block_hash", None) is not None}
+    if not cached:
+        return []
+    return [
+        r
+        for r in scheduler.running
+        if r.request_id not in failed and any(b in cached for ids in manager.get_block_ids(r.request_id) for b in ids)
+    ]
 
 
 def make_no_reload(original, *, mark: str, counts: Counts | None = None):

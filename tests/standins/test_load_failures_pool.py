@@ -327,30 +327,52 @@ def test_rolled_back_in_place_runs_gdn_in_the_null_block(library, scheduling):
     assert wrong
 
 
-def _same_prefix_right_after(mode: str, scheduling: str = "sync", layer: str = "attn", shared: int = 48):
-    """B's attention load fails for b (rolled back); d with the same 48-token prefix arrives right
-    after the failed step. B recomputes in 16-token chunks, so a local hit of d on b's blocks reads
-    blocks b has not recomputed yet."""
+def _same_prefix_right_after(
+    mode: str, scheduling: str = "sync", layer: str = "attn", shared: int = 48, in_flight: bool = False, tp: int = 1
+):
+    """B's attention (or GDN) load fails for b (rolled back); d with b's first ``shared`` tokens arrives
+    right after the failed step -- once b's rollback is done, or (``in_flight``, async scheduling)
+    while the failed step's output is still in the batch queue: then d is scheduled in the step in
+    flight with a local hit on b's blocks, before the failure reaches the scheduler. B recomputes in
+    16-token chunks, so a local hit of d on b's blocks reads blocks b has not recomputed yet. At
+    ``tp`` > 1 the load fails on rank 1 only. Returns d's wrong reads in steps whose output is
+    delivered, d's tokens, and the wrong reads of c on a third instance (d's prompt + 16 tokens)."""
     _set(mode)
     pool = make_pool()
-    a = PoolInstance(pool, name="A")
+    a = PoolInstance(pool, name="A", tp=tp)
     a.add_request("a", PROMPT, max_tokens=1)
     engine_loop(a)
+    a.close()
     asy = scheduling == "async"
     b = PoolInstance(
-        pool, name="B", kv_load_failure_policy="recompute", long_prefill_token_threshold=16, async_scheduling=asy
+        pool, name="B", tp=tp, kv_load_failure_policy="recompute", long_prefill_token_threshold=16, async_scheduling=asy
     )
     group = str(b.group_of[(b.attn_layers if layer == "attn" else b.gdn_layers)[0]])
-    pool.add_fault("error", direction=G2L, times=1, match=lambda key: key.split("@")[1] == group)
+    on_rank = rank_suffix(tp, 1) if tp > 1 else ""
+    pool.add_fault("error", direction=G2L, times=1, match=lambda key: key.split("@")[1] == group and key.endswith(on_rank))
     b.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS)
+    arrive = 1 if in_flight else (2 if asy else 1)  # in flight: before the failed step's output is handled
+    d_prompt = B_PROMPT[:shared] + [9, 9, 9]
+    d: list = []
 
     def after(inst, _so):
-        if inst.steps == (2 if asy else 1) and "d" not in inst.scheduler.requests:  # b's rollback is done
-            inst.add_request("d", B_PROMPT[:shared] + [9, 9, 9], max_tokens=1)
+        if inst.steps == arrive and not d:
+            d.append(inst.add_request("d", d_prompt, max_tokens=2))
 
-    engine_loop(b, on_step=after)
+    try:
+        engine_loop(b, on_step=after)
+    finally:
+        b.close()
     assert b.reads_of("d", kind="attn")
-    return [r for kind in ("gdn", "attn") for r in b.wrong_reads("d", kind=kind)]
+    first = 2 if in_flight else 0  # the step in flight's output is dropped with d's rollback
+    wrong = [r for kind in ("gdn", "attn") for r in b.wrong_reads("d", kind=kind) if r.step >= first]
+    c = PoolInstance(pool, name="C", tp=tp)
+    c.add_request("c", d_prompt + list(range(7000, 7016)), max_tokens=1)
+    try:
+        engine_loop(c)
+    finally:
+        c.close()
+    return wrong, list(d[0].output_token_ids), [r for kind in ("gdn", "attn") for r in c.wrong_reads("c", kind=kind)]
 
 
 @pytest.mark.parametrize(
@@ -364,10 +386,33 @@ def _same_prefix_right_after(mode: str, scheduling: str = "sync", layer: str = "
     ],
 )
 def test_same_prefix_right_after_the_rollback_reads_no_invalid_block(library, scheduling, layer, shared):
-    assert _same_prefix_right_after("on", scheduling, layer, shared) == []
-    off = _same_prefix_right_after("rollback_off", scheduling, layer, shared)
+    assert _same_prefix_right_after("on", scheduling, layer, shared)[0] == []
+    off = _same_prefix_right_after("rollback_off", scheduling, layer, shared)[0]
     print(f"\nrollback_off, {scheduling}, {layer} load failed, d shares {shared} tokens: {len(off)} wrong reads of d")
     assert off
+
+
+IN_FLIGHT = [("gdn", 48, 1), ("attn", 48, 1), ("gdn", 32, 1), ("gdn", 48, 4)]
+
+
+@pytest.mark.parametrize("layer,shared,tp", IN_FLIGHT, ids=[f"{x}-{n}-tp{t}" for x, n, t in IN_FLIGHT])
+def test_same_prefix_in_the_step_in_flight_is_rolled_back_with_it(library, layer, shared, tp):
+    """Async scheduling (issue 32): d arrives while b's failed step is in flight and is scheduled with a
+    local hit on b's blocks -- computed from (or being) the never-loaded ones -- before the failure
+    reaches the scheduler. With the library d is preempted with b (its output of the step in flight
+    dropped) and its saves of that step are finished as failed on every rank: d's tokens are those of a
+    run without the pool, nothing read later is wrong, and c on a third instance reads 0 wrong states.
+    ``load_failures_rollback`` off: d keeps the token computed on b's damaged blocks."""
+    from harness_pool import reference_outputs
+
+    reference = reference_outputs({"d": B_PROMPT[:shared] + [9, 9, 9]}, max_tokens=2)["d"]
+    wrong, tokens, wrong_c = _same_prefix_right_after("on", "async", layer, shared, in_flight=True, tp=tp)
+    assert (wrong, tokens, wrong_c) == ([], reference, [])
+    off, off_tokens, off_c = _same_prefix_right_after("rollback_off", "async", layer, shared, in_flight=True, tp=tp)
+    differ = sum(x != y for x, y in zip(off_tokens, reference))
+    print(f"\nrollback_off, async, {layer} load failed at tp{tp}, d shares {shared} tokens and arrives in flight: {len(off)} "
+          f"wrong reads of d later, {differ} of its {len(reference)} tokens differ; {len(off_c)} wrong reads of c")
+    assert differ > 0
 
 
 def test_async_rollback_in_place_computes_on_wrong_state(library):

@@ -88,7 +88,12 @@ Rollback (group ``load_failures_rollback``) Rewinding ``num_computed_tokens`` in
          steps scheduled after the failed one (``AsyncScheduler._update_after_schedule`` records them,
          with the block table each step saw: align mode may free the loaded state block before the
          failed step's output is handled). vllm-ascend's pool scheduler dropped (and then raised on) a
-         request preempted outside ``schedule()`` and resumed by the next one: kept.
+         request preempted outside ``schedule()`` and resumed by the next one: kept. A request given
+         one of the evicted blocks by a local prefix hit before the rollback (in the failed step's
+         own batch, or under async scheduling in the step in flight) computed on it too: it is
+         preempted with the failed request (``_failed_load.sharing_requests``), its output of those
+         steps dropped, and every rank finishes its saves of those steps as failed
+         (``_common.poison_sharing``, at the agreement and at ``start_load_kv``; issue 32).
 Removal  When vLLM's invalid-block handling reads every KV cache group and vllm-ascend reports
          failed layerwise loads itself (detected per half: the scheduler spec skips itself when
          ``_update_requests_with_invalid_blocks`` no longer unpacks one group; the worker specs

@@ -40,6 +40,42 @@ _STEP = "_ascend_layerwise_patch_load_step"  # worker: _Step
 _TAINTED = "_ascend_layerwise_patch_tainted"  # worker: req ids computing on a failed load until preempted
 
 
+#: worker: req id (tainted) -> the block ids its ReqMeta of the failed step named: a request given one
+#: of them by a local prefix hit computes on the failed load too (issue 32)
+_TAINTED_BLOCKS = "_ascend_layerwise_patch_tainted_blocks"
+
+
+def taint(worker, meta) -> None:
+    """``meta``'s request computes on a failed load: its saves are dropped until its preemption (or
+    end) reaches the worker, and so are those of any request holding one of its blocks meanwhile
+    (:func:`poison_sharing`)."""
+    worker.__dict__.setdefault(_TAINTED, set()).add(meta.req_id)
+    blocks = worker.__dict__.setdefault(_TAINTED_BLOCKS, {}).setdefault(meta.req_id, set())
+    blocks.update(int(b) for ids in (getattr(meta, "block_ids_by_group", None) or ()) for b in ids if b)
+
+
+def poison_sharing(worker, requests) -> list[str]:
+    """Marks (``_POISONED``) every ReqMeta of ``requests`` that holds a block of a tainted request:
+    vLLM gave it that block by a local prefix hit -- in the failed step's own batch or, under async
+    scheduling, in a step scheduled before the rollback -- so it computes on never-loaded blocks or
+    on blocks computed from them, and its saves must not be published either (the scheduler preempts
+    it with the failed request, ``_failed_load.sharing_requests``). A request sharing only blocks
+    before the rollback point loses its saves of those steps: pool misses, never wrong bytes. Returns
+    the ids newly marked."""
+    tainted = worker.__dict__.get(_TAINTED_BLOCKS)
+    if not tainted:
+        return []
+    held = set().union(*tainted.values())
+    marked = []
+    for meta in requests:
+        if meta.req_id in tainted or meta.__dict__.get(_POISONED):
+            continue
+        if any(int(b) in held for ids in (getattr(meta, "block_ids_by_group", None) or ()) for b in ids):
+            meta.__dict__[_POISONED] = True
+            marked.append(meta.req_id)
+    return marked
+
+
 _FRAMES = "_ascend_layerwise_patch_frames"  # request: [(a step's num_scheduled_tokens, frames it samples)]
 
 

@@ -30,7 +30,7 @@ from .._checks import Counts
 from .._checks import expects as _expects
 from .._checks import source as _source
 from .._targets import STORE
-from ._common import _POISONED, _TAINTED, AGREEMENT_GROUP, DROPPED
+from ._common import _POISONED, AGREEMENT_GROUP, DROPPED, poison_sharing, taint
 
 #: how long a rank waits for the others at the final-layer agreement before it raises: above the
 #: largest host skew between ranks in a healthy step (the final layer's own load wait, 10 s, plus the
@@ -39,7 +39,7 @@ AGREE_S = float(os.environ.get("ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S", "30") or 3
 
 _PCP_WARNED = "_ascend_layerwise_patch_agree_pcp_warned"  # worker: the PCP warning was logged
 
-COUNTS = Counts("agreements", "failed_elsewhere", "keys_dropped")
+COUNTS = Counts("agreements", "failed_elsewhere", "keys_dropped", "sharing_dropped")
 
 
 def _has_pool_load(requests) -> bool:
@@ -74,7 +74,16 @@ def _mark(worker, requests, flags) -> None:
     for meta, failed in zip(requests, flags):
         if failed:
             meta.__dict__[_POISONED] = True
-            worker.__dict__.setdefault(_TAINTED, set()).add(meta.req_id)
+            taint(worker, meta)
+    sharing = poison_sharing(worker, requests)  # a local hit on the failed requests' blocks, this batch
+    if sharing:
+        COUNTS.add("sharing_dropped", len(sharing))
+        logger().warning(
+            "ascend_layerwise_patch: TP rank %d: requests %s hold blocks of a request whose layerwise load "
+            "failed (a local prefix hit); their pool keys of the step are finished as failed",
+            worker.tp_rank,
+            sorted(sharing),
+        )
     if elsewhere:
         COUNTS.add("failed_elsewhere", len(elsewhere))
         logger().warning(

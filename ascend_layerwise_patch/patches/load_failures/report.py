@@ -14,7 +14,7 @@ from ...host import logger
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
-from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, _TAINTED, GROUP, _as_scheduled
+from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, GROUP, _as_scheduled, taint
 
 
 WAIT_S = _failed_load.WAIT_S  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
@@ -117,11 +117,11 @@ def _drop_saves(worker, blocks: set[int]) -> None:
         return
     for req_id, loaded in step.req_blocks.items():
         if loaded & blocks:
-            for meta in step.metas.get(req_id, ()):
-                meta.__dict__[_POISONED] = True
             # under async scheduling the next step is already scheduled on this state: taint the
             # request until the scheduler's preemption of it reaches this worker (make_start_load_kv)
-            worker.__dict__.setdefault(_TAINTED, set()).add(req_id)
+            for meta in step.metas.get(req_id, ()):
+                meta.__dict__[_POISONED] = True
+                taint(worker, meta)
 
 
 def _begin_step(worker) -> _Step:
