@@ -52,6 +52,7 @@ if [ -x "$root/v0251/bin/python" ]; then
   smoke bench_shedding "$root/v0251/bin/python" scripts/bench_shedding.py --quick
   smoke bench_async_fences "$root/v0251/bin/python" scripts/bench_async_fences.py --quick
   smoke bench_pool_metrics "$root/v0251/bin/python" scripts/bench_pool_metrics.py --quick
+  smoke bench_load_agreement "$root/v0251/bin/python" scripts/bench_load_agreement.py --quick
   # vLLM's and vllm-ascend's kernel files come out of their wheels into git-ignored .bench/ (the wheels
   # go to a temporary folder and are deleted)
   smoke "fetch reference kernels" "$root/v0251/bin/python" scripts/bench_postprocess.py fetch

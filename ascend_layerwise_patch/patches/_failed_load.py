@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -256,6 +257,63 @@ def agree_ok(save_kv_layer=None) -> str | None:
 #: abandoned (vLLM 0.25's ``load_failures.report`` and 0.30's ``pool_load_recovery.bound``): the
 #: 10 s of upstream's wait loop. 0.30's bound reads it here at each wait (tests shorten it here).
 WAIT_S = 10.0
+
+
+#: how long the step after an abandoned load waits for the copy still inside MemCache (the late-copy
+#: fence, :func:`late_copy_fence`) before the engine stops; ``ASCEND_LAYERWISE_PATCH_LATE_COPY_S``
+LATE_COPY_S = float(os.environ.get("ASCEND_LAYERWISE_PATCH_LATE_COPY_S", "30") or 30)
+
+#: worker: the agreement found a load abandoned after a timed-out wait on some TP rank of the step:
+#: every rank passes the late-copy fence at the next step and agrees on its outcome
+LATE_ANYWHERE = "_ascend_layerwise_patch_late_anywhere"
+
+
+def thread_idle(thread) -> bool:
+    """The layer receiving thread has no task queued or inside a copy (``task_done`` follows each,
+    after the layer's event is set)."""
+    q = thread.request_queue
+    with q.mutex:
+        return q.unfinished_tasks == 0
+
+
+def late_copy_fence(worker, thread, wake=None) -> float:
+    """The late-copy fence, at the start of the step after a layer load was abandoned (on this rank,
+    or -- ``LATE_ANYWHERE``, told by the agreement -- on any rank of the TP group), before the step
+    computes anything. Returns the seconds waited.
+
+    A copy that was inside MemCache when its wait gave up cannot be recalled: it writes into the
+    blocks its load was given. The rollback frees those blocks and vLLM may give them to any request
+    from the next schedule on, whose compute writes them first; a copy landing after that overwrites
+    them (wrong tokens for a request that never touched the pool). So the step waits here, at most
+    ``LATE_COPY_S``, until the receiving thread is idle: every write of the late copy then precedes
+    every write of this step and of every later one. Where the agreement told every rank, the ranks
+    agree on the outcome over the TP group's CPU group: a copy that never returns stops the engine on
+    every rank with the same error, never one rank alone while the others wait in the forward's
+    collectives. ``wake``: an event the thread sets when it leaves a copy (else polled)."""
+    start = time.monotonic()
+    while not thread_idle(thread) and time.monotonic() - start < LATE_COPY_S:
+        if wake is not None:
+            wake.wait(0.05)
+        else:
+            time.sleep(0.01)
+    stuck = not thread_idle(thread)
+    waited = time.monotonic() - start
+    if worker.__dict__.pop(LATE_ANYWHERE, False):
+        stuck = tp_agree([stuck], LATE_COPY_S + 30.0)[0]  # the same verdict on every rank
+    if stuck:
+        raise RuntimeError(
+            f"ascend_layerwise_patch: a layerwise load copy abandoned after a timed-out wait has not returned "
+            f"within {LATE_COPY_S:.0f} s (on this or another TP rank); stopping rather than let it write into KV "
+            "cache blocks vLLM has freed and given to other requests (ASCEND_LAYERWISE_PATCH_LATE_COPY_S)"
+        )
+    if waited > 0.001:
+        pool_events.bump("late_copy_fenced")
+        logger().warning(
+            "ascend_layerwise_patch: the step waited %.2f s for a late layerwise load copy to return before "
+            "computing (it would otherwise write into blocks vLLM may have reused)",
+            waited,
+        )
+    return waited
 
 
 #: a final-layer LayerTransferTask's attribute: the keys its sending thread finishes as failed

@@ -46,10 +46,10 @@ def test_load_agreement_applies(library):
     assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == GROUP} == {APPLIED}
 
 
-def _run(monkeypatch, mode: str, tp: int, rank: int, fault: str, scheduling: str) -> Run:
+def _run(monkeypatch, mode: str, tp: int, rank: int, fault: str, scheduling: str, between: bool = False) -> Run:
     _set(mode)
     monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # read in the rank processes (forked later)
-    return Run(fault, scheduling=scheduling, tp=tp, rank=rank)
+    return Run(fault, scheduling=scheduling, tp=tp, rank=rank, between=between)
 
 
 def _summary(run: Run, expected: dict, sfx: str) -> tuple[dict, dict, int]:
@@ -68,6 +68,8 @@ CASES = [
     (4, 1, "raise", "sync"),
     (4, 0, "error", "async"),
     (4, 0, "raise", "sync"),
+    (4, 1, "gate", "async"),  # the wait times out, the copy lands later: every rank passes the fence
+    (4, 0, "evict", "sync"),  # the key goes between the hit check and the load
     (2, 1, "error", "async"),
     (8, 5, "error", "async"),
 ]
@@ -78,7 +80,7 @@ def test_one_ranks_failed_load_is_dropped_on_every_rank(library, expected, monke
     run = _run(monkeypatch, "on", tp, rank, fault, scheduling)
     try:
         sfx = "_async" if scheduling == "async" else ""
-        assert run.fault.hits == 1
+        assert run.evicted if fault == "evict" else run.fault.hits == 1
         assert run.b.kv_outputs[0].invalid_block_ids  # the failing rank reported it in the failed step
         assert run.failed_step_keys  # the failed step did save, on every rank
         suffixes = {k.rsplit("@", 1)[1] for k in run.failed_step_keys}
@@ -156,3 +158,26 @@ def test_a_rank_failing_before_the_agreement_ends_the_step_on_every_rank(library
     assert "TP ranks [0, 1, 2, 3] failed" in text, text
     assert text.count("did not complete within 3 s") >= 3 and "planted" in text, text
     assert took < 3.0 + 10.0  # AGREE_S, and the ranks' answers: not the gloo group's 15 s, nor a hang
+
+
+# ------------------------------------------------------- a clean request with the same prefix in between
+@pytest.mark.parametrize("mode", ["on", "agreement_off"])
+def test_a_clean_request_in_between_leaves_no_mixed_hit(library, expected, monkeypatch, mode):
+    """TP 4, rank 1 (a non-saver) fails: d on a fourth instance asks C's prompt before C does. It misses
+    what the failed step saved on rank 1 (dropped there) and re-saves it cleanly. Only the agreement
+    off: the other ranks' keys of that step stay ready (they exist, so d does not re-save them) and C's
+    complete hit mixes rank 1's clean keys with the others' poisoned ones. On: every rank's key of the
+    failed step was failed, d re-saved them all, C reads 0 wrong states."""
+    run = _run(monkeypatch, mode, 4, 1, "error", "sync", between=True)
+    try:
+        ready, wrong_c, differ = _summary(run, expected, "")
+        wrong_d = run.wrong_d
+    finally:
+        run.close()
+    print(f"\n{mode}, tp4 rank 1 error sync, a clean request in between: ready poisoned keys by suffix {ready}; "
+          f"d's wrong reads {len(wrong_d)}; C's wrong reads by rank {wrong_c}; {differ} of C's tokens differ")
+    if mode == "on":
+        assert ready == {} and wrong_d == [] and wrong_c == {} and differ == 0
+        assert list(run.req_d.output_token_ids) == expected["c"]
+    else:
+        assert ready and (sum(wrong_c.values()) > 0 or differ > 0)

@@ -118,6 +118,7 @@ class Run:
         with_other: bool = False,
         tp: int = 1,
         rank: int | None = None,
+        between: bool = False,
     ):
         asy = scheduling == "async"
         b_prompt, c_prompt = (B_PROMPT_ASYNC, C_PROMPT_ASYNC) if asy else (B_PROMPT, C_PROMPT)
@@ -164,6 +165,15 @@ class Run:
                 self.fault.gate.set()
 
         engine_loop(b, on_step=after)
+        self.req_d = None
+        if between:  # a clean request with C's prompt on a fourth instance first (it re-saves what it misses)
+            d = PoolInstance(pool, name="D", tp=tp)
+            try:
+                self.req_d = d.add_request("d", c_prompt, max_tokens=2)
+                engine_loop(d)
+                self.wrong_d = [r for kind in ("gdn", "attn") for r in d.wrong_reads("d", kind=kind)]
+            finally:
+                d.close()
         self.c = c = PoolInstance(pool, name="C", tp=tp)
         self.req_c = c.add_request("c", c_prompt, max_tokens=2)
         engine_loop(c)
@@ -465,3 +475,105 @@ def test_fail_policy_ends_only_that_request(library, expected, scheduling):
     assert run.b.wrong_reads("e") == [] and run.b.wrong_reads("e", kind="attn") == []
     assert run.ready_failed_step_keys() == [] and run.wrong_reads_c() == []
     run.check_clean_end()
+
+
+# ------------------------------------------------------------------ the late-copy fence (issue 32 §4)
+E_LONG = list(range(9000, 9096))  # arrives right after b's failed step; no pool hit, 6 chunks of 16
+
+
+def _landed_blocks(rank, layers, items) -> set[int]:
+    """The block ids (rows of the rank's attention caches) a copy's host addresses fall in."""
+    blocks = set()
+    for _key, _off, addr, _size in items:
+        for name in layers:
+            for t in rank.layers[name].kv_cache:
+                base, n = t.data_ptr(), t.numel() * t.element_size()
+                if base <= addr < base + n:
+                    blocks.add((addr - base) // (t.stride(0) * t.element_size()))
+    return blocks
+
+
+def _late_copy(monkeypatch, fence: bool, scheduling: str) -> dict:
+    """b's first attention load copy is held inside the store (a gate) past the 0.3 s wait: the load is
+    abandoned and b rolled back (its blocks freed, every one: the attention blocks were the ones not
+    loaded). e arrives right after, in a KV cache of 16 blocks, and is given b's freed blocks. The
+    gate opens 3 steps later (``fence`` off: the copy then writes into e's blocks, already computed)
+    or, while the step after the failure waits in the fence, after 2 s. Returns what the copy hit."""
+    import threading
+    import time
+
+    _set("on")
+    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)
+    if not fence:  # only the fence off: the rest of the library's load-failure handling on
+        monkeypatch.setattr(load_failures.report, "_fence", lambda *_a: None)
+    pool = make_pool()
+    a = PoolInstance(pool, name="A")
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    asy = scheduling == "async"
+    b = PoolInstance(
+        pool, name="B", kv_load_failure_policy="recompute", long_prefill_token_threshold=16, async_scheduling=asy,
+        num_blocks=16, max_model_len=160,
+    )
+    group = str(b.group_of[b.attn_layers[0]])
+    match = lambda key: key.split("@")[1] == group  # noqa: E731
+    fault = pool.add_fault("gate", direction=G2L, times=1, match=match)
+    out: dict = {"landed_at": None}
+
+    def observe(direction, items, _host):
+        if direction == G2L and fault.gate.is_set() and out["landed_at"] is None and any(match(k) for k, *_ in items):
+            blocks = _landed_blocks(b.ranks[0], b.attn_layers, items)
+            sched = b.scheduler
+            held = {r.request_id for r in sched.running if r.request_id != "b" and any(x in blocks for ids in sched.kv_cache_manager.get_block_ids(r.request_id) for x in ids)}
+            out.update(landed_at=b.steps, blocks=sorted(blocks), held_by=sorted(held))
+
+    pool.observers.append(observe)
+    req_b = b.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS)
+    timer = threading.Timer(2.0, fault.gate.set)
+    e: list = []
+    failed_at = 2 if asy else 1  # executed batches when the failure reaches the scheduler
+
+    def after(inst, _so):
+        if inst.steps == 1 and not timer.is_alive() and not fault.gate.is_set():
+            timer.start()  # the failed batch ran (async: the next one runs in the same engine step)
+        if inst.steps == failed_at and not e:
+            e.append(inst.add_request("e", E_LONG, max_tokens=4))
+        if inst.steps == failed_at + 3 and not fault.gate.is_set():
+            fault.gate.set()
+            deadline = time.monotonic() + 5
+            while out["landed_at"] is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    try:
+        engine_loop(b, on_step=after)
+    finally:
+        timer.cancel()
+        fault.gate.set()
+    assert fault.hits == 1 and out["landed_at"] is not None
+    out.update(
+        e_tokens=list(e[0].output_token_ids),
+        b_tokens=list(req_b.output_token_ids),
+        e_wrong=[r for kind in ("gdn", "attn") for r in b.wrong_reads("e", kind=kind)],
+        free_ok=b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+    )
+    return out
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_a_late_copy_never_writes_into_a_reused_block(library, monkeypatch, scheduling):
+    from harness_pool import reference_outputs
+
+    reference = reference_outputs({"e": E_LONG, "b": B_PROMPT}, max_tokens=4)
+    on = _late_copy(monkeypatch, True, scheduling)
+    monkeypatch.undo()
+    off = _late_copy(monkeypatch, False, scheduling)
+    print(f"\n{scheduling}: fence on: the late copy landed at executed batch {on['landed_at']} into blocks {on['blocks']} "
+          f"(allocated to {on['held_by']}, not yet computed); e: {len(on['e_wrong'])} wrong reads. Fence off: landed at "
+          f"batch {off['landed_at']} into blocks {off['blocks']} held by {off['held_by']}; e: {len(off['e_wrong'])} wrong "
+          f"reads, {sum(x != y for x, y in zip(off['e_tokens'], reference['e']))} of its 4 tokens differ")
+    # with the fence the copy lands before the batch after the failed one computes (async: the one in
+    # flight, scheduled before the rollback; sync: the first one scheduled after it)
+    assert on["landed_at"] == 1
+    assert on["e_wrong"] == [] and on["e_tokens"] == reference["e"]
+    assert on["b_tokens"] == reference["b"][:MAX_TOKENS]
+    assert off["held_by"] == ["e"] and off["e_wrong"] and off["e_tokens"] != reference["e"]

@@ -247,3 +247,69 @@ def test_async_scheduling_across_ranks_keeps_upstreams_stop_without_the_agreemen
     rank0, _, rank1 = text.partition("--- rank 1 raised:")
     assert worker.FAIL_FAST in rank1  # rank 1 stops (vllm-ascend's own raise)
     assert "--- rank 0 raised:" in rank0 and "all_reduce" in rank0 and "Timed out" in rank0  # rank 0 hangs in the collective
+
+
+# ------------------------------------------------ a local hit in the step in flight (issue 32 §3)
+def _in_flight_hit(layer: str, tp: int) -> dict:
+    """Async scheduling: b's first GDN (or attention) load copy returns an error (at TP 2 on rank 1
+    only); d, with b's first 48 tokens, arrives while the failed step is still in the batch queue and
+    is scheduled in the step in flight with a local hit on b's blocks. c on a third instance then
+    asks d's prompt plus 16 tokens."""
+    from harness_pool import reference_outputs
+
+    pool = make_pool()
+    a = PoolInstance(pool, name="A", tp=tp)
+    try:
+        a.add_request("a1", A1)
+        engine_loop(a)
+    finally:
+        a.close()
+    b = PoolInstance(pool, name="B", tp=tp, kv_load_failure_policy="recompute", long_prefill_token_threshold=16, async_scheduling=True)
+    group = str(b.group_of[(b.attn_layers if layer == "attn" else b.gdn_layers)[0]])
+    rank = f"@1tp{tp}" if tp > 1 else ""
+    pool.add_fault("error", direction=G2L, times=1, match=lambda key: key.split("@")[1] == group and key.endswith(rank))
+    b_prompt = A1[:32] + list(range(7, 39)) + [1, 2]
+    d_prompt = b_prompt[:48] + [9, 9, 9]
+    b.add_request("b", b_prompt, max_tokens=MAX_TOKENS)
+    d: list = []
+
+    def after(inst, _so):
+        if inst.steps == 1 and not d:  # the failed batch ran; its output is still queued
+            d.append(inst.add_request("d", d_prompt, max_tokens=2))
+
+    try:
+        engine_loop(b, on_step=after)
+    finally:
+        b.close()
+    c = PoolInstance(pool, name="C", tp=tp)
+    try:
+        c.add_request("c", d_prompt + list(range(7000, 7016)), max_tokens=1)
+        engine_loop(c)
+    finally:
+        c.close()
+    return dict(
+        reference=reference_outputs({"d": d_prompt}, max_tokens=2)["d"],
+        tokens=list(d[0].output_token_ids),
+        preempted=d[0].num_preemptions,
+        wrong=[r for kind in ("gdn", "attn") for r in b.wrong_reads("d", kind=kind) if r.step >= 2],  # after the step in flight
+        wrong_c=[r for kind in ("gdn", "attn") for r in c.wrong_reads("c", kind=kind)],
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_same_prefix_in_the_step_in_flight_is_rolled_back_with_it(monkeypatch, tp):
+    """The scheduler preempts d with b (``_failed_load.sharing_requests``, shared with 0.25's rollback):
+    d's tokens are those of a run without the pool and nothing it reads later is wrong. Only that
+    change off: vLLM rolls back b alone, d keeps computing on the state b computed from the unloaded
+    one (a GDN failure: d holds none of the invalid blocks, only blocks computed from them)."""
+    from ascend_layerwise_patch.patches import _failed_load
+
+    on = _in_flight_hit("gdn", tp)
+    assert on["preempted"] == 1 and on["tokens"] == on["reference"]
+    assert on["wrong"] == [] and on["wrong_c"] == []
+    monkeypatch.setattr(_failed_load, "sharing_requests", lambda *_a: [])
+    off = _in_flight_hit("gdn", tp)
+    differ = sum(x != y for x, y in zip(off["tokens"], off["reference"]))
+    print(f"\nsharing off, tp{tp} async, GDN load failed, d arrives in flight: {len(off['wrong'])} wrong reads of d later, "
+          f"{differ} of its 2 tokens differ, preempted {off['preempted']}; c {len(off['wrong_c'])} wrong reads")
+    assert off["preempted"] == 0 and off["wrong"] and differ > 0

@@ -3,12 +3,13 @@ that never returns is reported after the bound and recovered, instead of hanging
 
 Instance A fills the pool with three 40-token prompts; instance B (TP 2, 2 KV heads, async scheduling,
 policy ``recompute``, ranks as processes with a real gloo TP group) asks b1 / b2 (a 32-token pool hit
-each); rank 1's first GDN load copy blocks on a gate (byte_store's ``gate`` fault) that is opened
-only after B's requests finished. With the bound (``WAIT_S`` shortened to 0.3 s): every request
-finishes with the tokens of a run without the pool, nothing read after the failed step is wrong, no
-key saved in the steps computed on the failure is ready, and once the gate opens the late copy crashes
-nothing: the receiving thread stays alive, its stale event is cleared at the next step, a request b3
-with a pool hit of its own loads and finishes right, and no read lease is left. With only
+each); rank 1's first GDN load copy blocks on a gate (byte_store's ``gate`` fault) that opens 1.5 s
+later. With the bound (``WAIT_S`` shortened to 0.3 s): every request finishes with the tokens of a run
+without the pool, nothing read after the failed step is wrong, no key saved in the steps computed on
+the failure is ready, the next step waits in the late-copy fence until the copy has landed (it never
+writes into a block vLLM reused), the receiving thread stays alive, its stale event is cleared, a
+request b3 with a pool hit of its own loads and finishes right, and no read lease is left. A copy
+that never returns stops both ranks at the fence. With only
 ``pool_load_wait_bound`` skipped, the failed step never finishes (the harness's reply limit, shortened).
 """
 
@@ -69,7 +70,7 @@ def _state(rank) -> dict:
 class GateRun:
     """A fills the pool; B (TP 2, async) runs b1 and b2 with rank 1's first GDN load copy gated."""
 
-    def __init__(self, reply_limit: float | None = None):
+    def __init__(self, reply_limit: float | None = None, gate_after_s: float | None = None):
         self.pool = pool = make_pool()
         a = PoolInstance(pool, name="A", tp=TP)
         try:
@@ -94,7 +95,14 @@ class GateRun:
             if inst.steps == 0:
                 self.before = dict(pool.blobs)
 
+        self.timer = None
+
         def on_step(inst, so):
+            if inst.steps == 1 and gate_after_s is not None and self.timer is None:
+                import threading
+
+                self.timer = threading.Timer(gate_after_s, self.fault.gate.set)  # the copy returns late
+                self.timer.start()
             if inst.steps == FAILED_STEP and not self.failed_step_keys:
                 self.failed_step_keys = [k for k, blob in pool.blobs.items() if self.before.get(k) is not blob]
 
@@ -133,26 +141,27 @@ def test_pool_load_wait_bound_applies():
     assert states == {APPLIED}
 
 
-def test_a_copy_that_never_returns_is_reported_after_the_bound_and_recovered(reference, monkeypatch):
+def test_a_late_copy_is_reported_after_the_bound_recovered_and_fenced(reference, monkeypatch):
+    """The gate opens 1.5 s after the failed batch ran: the wait gives up after 0.3 s, the requests
+    are rolled back, and the next step waits in the late-copy fence (both ranks: the agreement told
+    rank 0) until the copy has landed, before it computes."""
     monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # the shared 10 s bound, read in the rank processes (forked later)
-    run = GateRun()
+    run = GateRun(gate_after_s=1.5)
     b = run.b
     try:
-        during = b.on_ranks(_state)  # the gate still closed: rank 1's thread is still in the late copy
+        after = run.states_when_idle()
         assert run.fault.hits == 1
         assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in run.reqs), [r.status for r in run.reqs]
         assert differing_tokens(run.tokens, {r: reference[r] for r in TWO}) == 0, run.tokens
         assert all(r.num_preemptions == 1 for r in run.reqs)  # both were in the gated batched copy: recomputed
         assert run.wrong_after_failed_step() == [] and b.null_writes == []
         assert run.ready_failed_step_keys() == []  # the steps computed on the failure put no key (dropped on both ranks)
-        assert [s["waits_timed_out"] for s in during] == [0, 1], during
-        assert during[1]["unfinished"] > 0 and during[0]["failed_elsewhere"] > 0, during  # rank 0 learnt it (agreement)
-        assert run.leases() == 0  # the abandoned step's leases released while the copy is still out
-        # the gate opens: the late copy returns and sets its layer's event
-        run.fault.gate.set()
-        after = run.states_when_idle()
+        assert [s["waits_timed_out"] for s in after] == [0, 1], after
+        assert after[0]["failed_elsewhere"] > 0, after  # rank 0 learnt it (agreement)
+        assert [s["late_copies_fenced"] for s in after] == [0, 1], after  # rank 1 waited for its copy; rank 0 at once
+        assert run.wall_s >= 1.5  # the step after the failure waited for the late copy
         assert all(s["unfinished"] == 0 and s["alive"] and s["fatal"] is None for s in after), after
-        assert after[1]["set_events"], after  # the late copy's set (and the emptied tasks'): stale
+        assert run.leases() == 0
         b3 = b.add_request("b3", B3, max_tokens=MAX_TOKENS)
         engine_loop(b)
         end = b.on_ranks(_state)
@@ -166,9 +175,25 @@ def test_a_copy_that_never_returns_is_reported_after_the_bound_and_recovered(ref
     finally:
         run.fault.gate.set()
         b.close()
-    print(f"\nwait bound 0.3 s, gate on rank 1's GDN copy, tp{TP} async: B's run {run.wall_s:.1f} s; per rank during "
-          f"{during}; after the gate {after}; end {end}; failed-step keys {len(run.failed_step_keys)}, ready 0; "
-          f"wrong reads after the failed step 0; leases 0")
+    print(f"\nwait bound 0.3 s, rank 1's GDN copy back after 1.5 s, tp{TP} async: B's run {run.wall_s:.1f} s; per rank "
+          f"after {after}; end {end}; failed-step keys {len(run.failed_step_keys)}, ready 0; wrong reads after the failed "
+          "step 0; leases 0")
+
+
+def test_a_copy_that_never_returns_stops_every_rank_at_the_fence(monkeypatch):
+    """The copy never comes back (the gate stays closed; ``LATE_COPY_S`` shortened to 1 s): the step
+    after the failure ends on BOTH ranks with the fence's error -- no hang, no rank left waiting in a
+    collective, no write into a block vLLM reused."""
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)
+    monkeypatch.setattr(_failed_load, "LATE_COPY_S", 1.0)  # read in the rank processes (forked later)
+    start = time.monotonic()
+    with pytest.raises(rank_procs.RankFailure) as failure:
+        GateRun()
+    wall = time.monotonic() - start
+    text = str(failure.value)
+    print(f"\nthe copy never returns: RankFailure after {wall:.1f} s: {text.splitlines()[0]}")
+    assert "TP ranks [0, 1] failed" in text, text
+    assert text.count("has not returned within 1 s") >= 2, text
 
 
 def test_without_the_bound_the_failed_step_never_finishes(monkeypatch):

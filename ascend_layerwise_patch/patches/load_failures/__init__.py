@@ -52,9 +52,15 @@ How      Worker: the receiving thread turns a copy that raises into a failed cop
          is otherwise unchanged; with ``load_failures`` skipped or failed the refusal stands).
 Policy   Use ``kv_load_failure_policy: recompute`` with a layerwise pool (vLLM's default is
          ``fail``): a store hiccup then costs one recomputed prefix instead of a failed request.
-Residual A copy already inside MemCache when the wait gives up cannot be recalled; it may still
-         write into the request's blocks. Under ``recompute`` those blocks stay with the request
-         and receive the same bytes; under ``fail`` they are freed and may be reused meanwhile.
+Late     A copy already inside MemCache when the wait gives up cannot be recalled; it writes into
+         the blocks its load was given, which the rollback frees and vLLM may give to any request
+         from the next schedule on (a copy landing after that request computed them: wrong tokens
+         for a request that never touched the pool). The step after an abandoned load waits at its
+         first layer, before computing anything, until the receiving thread is idle (the late-copy
+         fence, ``_failed_load.late_copy_fence``, at most ``LATE_COPY_S`` = 30 s,
+         ``ASCEND_LAYERWISE_PATCH_LATE_COPY_S``); at TP > 1 the agreement tells every rank of an
+         abandoned load on any rank and the ranks agree on the fence's outcome. A copy that never
+         returns stops the engine on every rank with that error instead of risking the write.
 Saves    (group ``load_failures_saves``) The failed step still computes from the unloaded state
          and saves its new blocks, every group's (the chunk-end GDN state included); the layer
          sending thread would finish them as ready at the final layer (send_integrity cannot see it:

@@ -30,7 +30,7 @@ from .._checks import Counts
 from .._checks import expects as _expects
 from .._checks import source as _source
 from .._targets import STORE
-from ._common import _POISONED, AGREEMENT_GROUP, DROPPED, poison_sharing, taint
+from ._common import _POISONED, _STEP, AGREEMENT_GROUP, DROPPED, poison_sharing, taint
 
 #: how long a rank waits for the others at the final-layer agreement before it raises: above the
 #: largest host skew between ranks in a healthy step (the final layer's own load wait, 10 s, plus the
@@ -60,10 +60,14 @@ def _agree(worker, requests) -> list[bool]:
             "is agreed across the TP group only",
             worker.pcp_size,
         )
-    flags = _failed_load.tp_agree(local, AGREE_S)
+    step = worker.__dict__.get(_STEP)
+    late = bool(step is not None and step.late)  # this rank abandoned a load (a copy may still land)
+    flags = _failed_load.tp_agree([*local, late], AGREE_S)
     if getattr(worker, "tp_size", 1) > 1:
         COUNTS.add("agreements")
-    return flags
+        if flags[-1]:
+            worker.__dict__[_failed_load.LATE_ANYWHERE] = True  # every rank fences at the next step (report._fence)
+    return flags[:-1]
 
 
 def _mark(worker, requests, flags) -> None:

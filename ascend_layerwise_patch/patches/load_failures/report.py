@@ -20,15 +20,18 @@ from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, GROUP, _as_scheduled
 WAIT_S = _failed_load.WAIT_S  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
 
 
+
 class _Recv:
     """What the receiving thread tells the worker: blocks of failed copies, and whether it is busy."""
 
-    __slots__ = ("lock", "failed", "busy")
+    __slots__ = ("lock", "failed", "busy", "idle")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.failed: set[int] = set()
         self.busy = False
+        self.idle = threading.Event()  # set whenever the thread is not inside a copy
+        self.idle.set()
 
     def take(self) -> set[int]:
         with self.lock:
@@ -89,6 +92,7 @@ def make_recv_handle(original):
         blocks = set().union(*(_task_blocks(t) for t in data.transfer_tasks))  # before the thread clears them
         self.__dict__.pop(_FAILED_COPY, None)
         state.busy = True
+        state.idle.clear()
         try:
             return original(self, data)
         finally:
@@ -96,6 +100,7 @@ def make_recv_handle(original):
                 with state.lock:
                     state.failed |= blocks
             state.busy = False
+            state.idle.set()
 
     return _handle_request
 
@@ -176,6 +181,12 @@ def _abandon(worker, step: _Step) -> None:
     step.late = True
 
 
+def _fence(worker, recv, state: _Recv) -> None:
+    """The late-copy fence (``_failed_load.late_copy_fence``: why, and how the TP ranks agree on it),
+    at the first layer of the step after a load was abandoned, before the step computes anything."""
+    _failed_load.late_copy_fence(worker, recv, wake=state.idle)
+
+
 def make_wait(original):
     names = original.__globals__
 
@@ -189,19 +200,12 @@ def make_wait(original):
         state = _recv(recv)
         if self.next_layer_to_submit == 0 and self.current_layer == 0:
             step = _begin_step(self)
-            if step.late:
-                if recv.request_queue.empty() and not state.busy:
-                    for event in self.layer_load_finished_events:
-                        event.clear()  # sets left by late or abandoned loads of earlier steps
-                    state.take()  # already reported with their step
-                    step.late = False
-                elif step.blocks:
-                    logger().warning(
-                        "ascend_layerwise_patch: layerwise loads of requests %s not attempted: a timed-out "
-                        "load of an earlier step still occupies the receiving thread; reported to the scheduler",
-                        sorted(step.req_ids),
-                    )
-                    _abandon(self, step)
+            if step.late or self.__dict__.get(_failed_load.LATE_ANYWHERE):
+                _fence(self, recv, state)
+                for event in self.layer_load_finished_events:
+                    event.clear()  # sets left by late or abandoned loads of earlier steps
+                state.take()  # already reported with their step
+                step.late = False
         step = self.__dict__[_STEP]
         if step.late:
             return  # this step's loads were abandoned (or never attempted): nothing to wait for

@@ -16,7 +16,8 @@ upstream's finish). With this group in force ``pool_load_recovery`` recovers und
 at TP > 1 too (``worker.recovers``); PP > 1 and PCP > 1 keep upstream's stop.
 
 Why its own group, and why not a held publish: as ``load_failures_agreement`` (0.25) says.
-Not done: the layer wait stays upstream's (no bound: a copy that never returns still hangs); at TP >
+An abandoned load (``pool_load_wait_bound``) is agreed with the flags: every rank passes the
+late-copy fence at the next step. Not done: at TP >
 KV heads a rank that saves only GDN finishes its keys at its last GDN layer, before the agreement
 (its keys of the load step are not dropped there: upstream's load step saves nothing for a request
 in that shape, so none were measured).
@@ -40,6 +41,7 @@ from .worker import _FAILED, _FAILED_COPIES, WORKER
 AGREE_S = float(os.environ.get("ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S", "30") or 30)
 
 _STEP = "_ascend_layerwise_patch_agree_step"  # worker: req ids (metadata order) of a step with a pool load
+_BOUND_STEP = "_ascend_layerwise_patch_wait_step"  # worker: pool_load_wait_bound's step (its ``late``), if applied
 DROPPED = -1
 
 COUNTS = Counts("agreements", "failed_elsewhere", "keys_dropped")
@@ -73,9 +75,14 @@ def make_save_kv_layer(original):
             failed = self.__dict__.setdefault(_FAILED, set())
             thread = getattr(self, "kv_recv_thread", None)
             copies = set(thread.__dict__.get(_FAILED_COPIES) or ()) if thread is not None else set()
-            flags = _failed_load.tp_agree([r in failed or r in copies for r in ids], AGREE_S)
+            step = self.__dict__.get(_BOUND_STEP)
+            late = bool(step is not None and step.late)  # this rank abandoned a load: a copy may still land
+            flags = _failed_load.tp_agree([*(r in failed or r in copies for r in ids), late], AGREE_S)
+            flags, late = flags[:-1], flags[-1]
             if getattr(self, "tp_size", 1) > 1:
                 COUNTS.add("agreements")
+                if late:
+                    self.__dict__[_failed_load.LATE_ANYWHERE] = True  # every rank fences at the next step
             agreed = {r for r, f in zip(ids, flags) if f}
             elsewhere = agreed - failed - copies
             failed |= agreed

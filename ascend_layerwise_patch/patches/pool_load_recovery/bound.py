@@ -22,20 +22,21 @@ How   While the wrapped ``wait_for_layer_load`` runs, the worker's ``layer_load_
         copy releases them when it returns, as upstream's final-layer bookkeeping does);
       - a WARNING says so, and the wait returns as if the event were set (upstream clears it); the
         step's remaining layers return at once (nothing submitted, nothing waited for).
-      Stale events: the late copy (and the emptied tasks queued behind it) still set their layers'
-      events. At the next ``prepare_layerwise_step``: if the receiving thread is idle (no unfinished
-      task: the thread sets a layer's event before ``task_done``) every load event is cleared, so no
-      late ``set()`` is taken for the new step's load and the thread's ``assert not ... is_set()``
-      never sees one; if it is still busy, that step's loads are reported and abandoned too (never
-      submitted behind the late copy), and the check is repeated at the next step.
+      Late copy: the copy still inside MemCache writes into the blocks its load was given, which the
+      rollback frees for vLLM to reuse. At the next ``prepare_layerwise_step`` (before the step
+      computes) the late-copy fence (``_failed_load.late_copy_fence``, shared with 0.25) waits until
+      the receiving thread is idle (no unfinished task: the thread sets a layer's event before
+      ``task_done``), at most ``LATE_COPY_S`` (30 s), then every load event is cleared, so no late
+      ``set()`` is taken for the new step's load and the thread's ``assert not ... is_set()`` never
+      sees one. At TP > 1 the agreement tells every rank of an abandoned load on any rank and the
+      ranks agree on the fence's outcome; a copy that never returns stops the engine on every rank.
 Own group: a switch of its own (it changes how long the engine waits, and ``pool_load_recovery``
       stays useful without it); the control "only the bound off" is this group skipped.
 Scope GVA layerwise transfer (``use_layerwise_transfer``) where the worker recovers failed loads
       (``worker.recovers``: with async scheduling at TP > 1 only with the agreement in force);
       elsewhere upstream's wait is kept. Key-major (block-key) layerwise stays upstream's.
-Not done The late copy may still write into the failed requests' blocks after the rollback freed
-      them (design §4, the fence on the free); a layer of ``prefetch_layer_map`` (a load that reuses
-      a save) is not waited for in an abandoned step.
+Not done A layer of ``prefetch_layer_map`` (a load that reuses a save) is not waited for in an
+      abandoned step.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from .worker import _FAILED, WORKER, _hit_blocks, recovers
 
 _STEP = "_ascend_layerwise_patch_wait_step"  # worker: _Step of the step being executed
 
-COUNTS = Counts("waits_timed_out", "steps_abandoned", "blocks_reported", "stale_events_cleared")
+COUNTS = Counts("waits_timed_out", "steps_abandoned", "blocks_reported", "stale_events_cleared", "late_copies_fenced")
 
 
 class _Step:
@@ -90,13 +91,6 @@ def _loading(worker) -> list:
             for rng in task.block_ranges:
                 seen.setdefault(id(rng.request), rng.request)
     return list(seen.values())
-
-
-def _idle(thread) -> bool:
-    """No task queued or running: every event it will set is set (it sets before ``task_done``)."""
-    q = thread.request_queue
-    with q.mutex:
-        return q.unfinished_tasks == 0
 
 
 def _give_up(worker, step: _Step, late_layer: int | None) -> list[int]:
@@ -230,24 +224,15 @@ def make_prepare_step(original):
             return result
         step = _Step(_loading(self))
         self.__dict__[_STEP] = step
-        if old is not None and old.late:
-            if _idle(self.kv_recv_thread):
-                stale = [ev for ev in self.layer_load_finished_events if ev.is_set()]
-                for ev in stale:
-                    ev.clear()
-                COUNTS.add("stale_events_cleared", len(stale))
-            else:
-                step.late = True  # checked again at the next step
-                if step.requests:
-                    blocks = _give_up(self, step, None)
-                    COUNTS.add("steps_abandoned")
-                    logger().warning(
-                        "ascend_layerwise_patch: KV pool layerwise loads of requests %s not attempted: a timed-out "
-                        "load of an earlier step still occupies the receiving thread; their blocks %s are reported "
-                        "as failed (vLLM recomputes them or ends them with an error)",
-                        sorted(r.req_id for r in step.requests),
-                        blocks,
-                    )
+        if (old is not None and old.late) or self.__dict__.get(_failed_load.LATE_ANYWHERE):
+            # the late-copy fence: the late copy returns before this step computes anything (it would
+            # otherwise write into blocks the rollback freed and vLLM reused); raises when it never does
+            if _failed_load.late_copy_fence(self, self.kv_recv_thread) > 0.001:
+                COUNTS.add("late_copies_fenced")
+            stale = [ev for ev in self.layer_load_finished_events if ev.is_set()]
+            for ev in stale:
+                ev.clear()
+            COUNTS.add("stale_events_cleared", len(stale))
         return result
 
     return prepare_layerwise_step
