@@ -254,6 +254,7 @@ switches (environment variables, read by every process vLLM starts and by check)
   ASCEND_LAYERWISE_PATCH_POOL_MODEL_ID=NAME     pool_key_layout: the checkpoint's name in keys
   ASCEND_LAYERWISE_PATCH_GVA_CACHE_MAX=N        pool_key_layout: keys remembered as saved
   ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S=S         load_failures_agreement: bound of the TP ranks' wait
+  ASCEND_LAYERWISE_PATCH_LATE_COPY_S=S          the late-copy fence: how long it waits
 See the README's "Switches" table.
 """
 

@@ -41,6 +41,14 @@ vllm-ascend 0.26
          groups are skipped by the layer batch builder anyway, so nothing is copied for them. A key
          another request of the step needs for a real block is looked up as usual. vllm-ascend
          0.25.1rc1 logs the missing key and loads nothing for it, so the member is not needed there.
+MTP      vllm-ascend 0.26's ``get_num_new_matched_tokens`` then drops the hit's last LCM block when an
+         eagle-family draft runs (``use_eagle``: MTP is one; "support loading the trailing block as
+         dirty data" is its TODO), so the hit it loads ends one block before the state-aligned one,
+         often where no state was saved (A prefilled in one chunk): the worker stops the engine on
+         the missing key, or with this group off GDN starts from a null block's bytes. Under that
+         trim the hit check ends the hit so that the trim lands on a block boundary with every
+         mamba group's state ready (or returns 0): one boundary rule, applied to the hit that is
+         loaded (issue 33).
 Removal  When vllm-ascend's hit check knows mamba groups (detected: the group skips itself when
          ``_get_layerwise_gva_hit_tokens`` mentions mamba).
 """
@@ -94,6 +102,15 @@ def _alloc_precondition(original) -> str | None:
     return None
 
 
+def _eagle_trim(scheduler) -> int:
+    """Tokens vllm-ascend 0.26's ``get_num_new_matched_tokens`` drops from a layerwise hit after the
+    hit check when an eagle-family draft (MTP among them) runs: its LCM block (0: no trim; 0.25.1rc1
+    has none and no ``use_eagle``)."""
+    if getattr(scheduler, "use_layerwise", False) and getattr(scheduler, "use_eagle", False) is True:
+        return int(getattr(scheduler, "lcm_block_size", 0) or 0)
+    return 0
+
+
 def state_aligned_hit(original):
     """``_get_layerwise_gva_hit_tokens`` that ends a hybrid hit where every group holds a state."""
     module = importlib.import_module(f"{POOL}.pool_scheduler")
@@ -130,8 +147,20 @@ def state_aligned_hit(original):
         unit = math.lcm(*sizes)
         hit -= hit % unit
         aligned = hit
-        while hit > 0 and not all(hit // ebs <= len(ready) and ready[hit // ebs - 1] for ebs, ready in ready_by_mamba):
-            hit -= unit
+
+        def saved(point: int) -> bool:
+            return all(point // ebs <= len(ready) and ready[point // ebs - 1] for ebs, ready in ready_by_mamba)
+
+        trim = _eagle_trim(self)
+        if trim:  # the hit must end where the caller's trim leaves a saved state (issue 33)
+            point = max(hit - trim, 0)
+            point -= point % unit
+            while point > 0 and not saved(point):
+                point -= unit
+            hit = point + trim if point > 0 else 0
+        else:
+            while hit > 0 and not saved(hit):
+                hit -= unit
         if hit < aligned:
             pool_events.bump("hits_cut_back")
         return hit
