@@ -1,19 +1,20 @@
-"""Issue 33 (0.26): under MTP a pool hit resumes where every group holds a saved state.
+"""Issue 33: under MTP a pool hit resumes where every group holds a saved state, on every pair.
 
 vllm-ascend 0.26.0rc1's ``KVPoolScheduler.get_num_new_matched_tokens`` drops the hit's last block
-whenever a draft model of the eagle family runs (``use_eagle``; MTP is one: ``qwen3_5_mtp``), after
-the hit check -- where ``mamba_pool_hit`` ended the hit on a block with a saved GDN state -- so the
-trimmed hit lands one block earlier, often where no state was saved. On the pool harness (vLLM
-0.26.0's Scheduler in align mode, vllm-ascend 0.26.0rc1's AscendStore halves, the byte-level pool):
-A serves 48 tokens prefilled in chunks of 32 + 16 (as vLLM's scheduler splits it under MTP), so GDN
-states are saved at 32 and 48, none at 16; B, with the pool scheduler's ``use_eagle`` on as a
-speculative config with ``method: qwen3_5_mtp`` sets it, asks A's first 32 tokens plus 5. The hit
-check says 32, the trim makes it 16. ``mamba_pool_hit`` now applies its boundary rule to the hit as
-the trim leaves it (one rule, applied once): B resumes at 0 here, and at 16 when A was prefilled in
-16-token chunks (a state saved at 16).
+whenever a draft model of the eagle family runs (``use_eagle``; MTP is one), after the hit check --
+where ``mamba_pool_hit`` ended the hit on a block with a saved GDN state -- so the trimmed hit lands
+one block earlier, often where no state was saved. On the pool harness (the pair's Scheduler in align
+mode, its AscendStore halves, the byte-level pool), both instances with vLLM's SpeculativeConfig for
+the stand-in checkpoint's MTP (``qwen3_next_mtp``, 3 speculative tokens; Qwen3.5's ``qwen3_5_mtp``
+is the same family): A serves 48 tokens prefilled in chunks of 32 + 16, so GDN states are saved at
+32 and 48, none at 16; B asks A's first 32 tokens plus 5. On 0.26 the hit check says 32 and the trim
+makes it 16; ``mamba_pool_hit`` now applies its boundary rule to the hit as the trim leaves it (one
+rule, applied once): B resumes at 0 here, and at 16 when A was prefilled in 16-token chunks (a state
+saved at 16). 0.25.1rc1 does not trim; 0.30.0rc2 trims only a hit reaching the prompt's last block
+(vouched with the library off).
 
-Not yet modelled (issue 33, open): a drafter, draft tokens and their verification; the scheduler
-half of MTP is all this needs (the trim reads ``use_eagle`` only).
+Not yet modelled (issue 33, open): the MTP layer and a drafter (draft tokens, their verification,
+acceptance); the scheduler half of MTP is all the trim needs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 
 from support import PAIR
 
-PAIRS = ("v0260",)
+PAIRS = ("v0260", "v0251", "v0300")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
@@ -31,6 +32,23 @@ from harness_pool import PoolInstance, engine_loop, groups_skipped, make_pool, r
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
+
+@pytest.mark.pairs("v0300")
+@pytest.mark.control("vouches 0.30.0rc2's own trim (only a hit reaching the prompt's last block): the library is off in the test")
+def test_030_trims_an_mtp_hit_only_at_the_prompts_last_block(reference, monkeypatch):
+    """vLLM 0.30 + vllm-ascend 0.30.0rc2 with the library off: B's interior 32-token hit is kept under
+    MTP and resumes on the state saved at 32 (A prefilled 32 + 16): 0 wrong reads, reference tokens."""
+    from support import activate_skipping
+
+    monkeypatch.setenv("ASCEND_LAYERWISE_PATCH", "0")
+    activate_skipping()
+    try:
+        off = _mtp_hit(32)
+    finally:
+        monkeypatch.delenv("ASCEND_LAYERWISE_PATCH")
+        activate_skipping()
+    assert off["error"] is None and off["resumed"] == 32 and off["wrong"] == [] and off["tokens"] == reference, off
+
 A = list(range(4000, 4048))  # 48 tokens, 16-token blocks
 B = A[:32] + [1, 2, 3, 4, 5]
 
@@ -38,13 +56,12 @@ B = A[:32] + [1, 2, 3, 4, 5]
 def _mtp_hit(chunk: int) -> dict:
     """A prefilled in ``chunk``-token chunks, then B on a second instance with the MTP trim on."""
     pool = make_pool()
-    a = PoolInstance(pool, name="A", long_prefill_token_threshold=chunk)
+    a = PoolInstance(pool, name="A", long_prefill_token_threshold=chunk, mtp=3)
     a.add_request("a", A, max_tokens=1)
     engine_loop(a)
-    b = PoolInstance(pool, name="B")
-    # what a speculative config with method qwen3_5_mtp sets (SpeculativeConfig.use_eagle() is True
-    # for mtp): the pool scheduler trims the hit by one block
-    b.scheduler.connector.connector_scheduler.use_eagle = True
+    b = PoolInstance(pool, name="B", mtp=3)  # MTP, 3 speculative tokens: use_eagle() is true
+    assert b.configs[0].speculative_config.use_eagle()
+    assert getattr(b.scheduler.connector.connector_scheduler, "use_eagle", True) is True  # 0.25.1rc1 reads none
     req = b.add_request("b", B, max_tokens=2)
     out: dict = {"error": None}
     try:
@@ -65,14 +82,22 @@ def reference() -> list[int]:
     return reference_outputs({"b": B}, max_tokens=2)["b"]
 
 
-@pytest.mark.parametrize("chunk,resumed", [(32, 0), (16, 16)])
-def test_an_mtp_pool_hit_resumes_on_a_saved_state(reference, chunk, resumed):
+#: where B resumes, by pair and A's chunk: 0.26 trims the hit by a block (to 16: a state only when A
+#: was prefilled in 16-token chunks); 0.25.1rc1 does not trim (it reads no speculative config); 0.30.0rc2 trims only a hit that
+#: reaches the prompt's last block (B's 32-token hit is interior: kept)
+RESUMED = {"v0260": {32: 0, 16: 16}, "v0251": {32: 32, 16: 32}, "v0300": {32: 32, 16: 32}}
+
+
+@pytest.mark.parametrize("chunk", [32, 16])
+def test_an_mtp_pool_hit_resumes_on_a_saved_state(reference, chunk):
     on = _mtp_hit(chunk)
+    print(f"\n{PAIR}, MTP (3 speculative tokens), A prefilled in {chunk}-token chunks: B resumed at {on['resumed']}")
     assert on["error"] is None, on["error"]
     assert on["wrong"] == [] and on["tokens"] == reference
-    assert on["resumed"] == resumed, on
+    assert on["resumed"] == RESUMED[PAIR][chunk], on
 
 
+@pytest.mark.pairs("v0260")
 @pytest.mark.control("pins the defect: mamba_pool_hit is skipped in the test, the same with the library off")
 def test_without_mamba_pool_hit_the_trimmed_hit_reads_an_unsaved_state(reference):
     """``mamba_pool_hit`` skipped (vllm-ascend as released for this hit): the trimmed hit at 16 loads
@@ -86,6 +111,7 @@ def test_without_mamba_pool_hit_the_trimmed_hit_reads_an_unsaved_state(reference
     assert off["error"] is None and off["resumed"] == 16 and off["wrong"]
 
 
+@pytest.mark.pairs("v0260")
 def test_without_the_trim_rule_the_mtp_hit_stops_the_engine(monkeypatch):
     """Only the trim rule off (``mamba_pool_hit`` as it was before issue 33: the hit ends on the saved
     state at 32, the trim moves it to 16): vllm-ascend 0.26.0rc1's worker finds no key for the mamba

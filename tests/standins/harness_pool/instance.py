@@ -19,7 +19,7 @@ from . import timing
 from .model import sample
 from .rank import _Rank
 from .rank_step import GDNRead
-from .runtime import _model_config, _process_of_rank, set_none_hash, setup_runtime
+from .runtime import _model_config, _process_of_rank, _speculative_config, set_none_hash, setup_runtime
 from .timing import ScaledEvent
 
 
@@ -48,6 +48,10 @@ class PoolInstance:
         kv_role: str = "kv_both",
         extra_config: dict | None = None,
         num_speculative_blocks: int = 0,
+        #: MTP speculative decoding: a speculative config with the model's MTP method and this many
+        #: speculative tokens (the scheduler and the pool scheduler see it as vLLM builds it; the
+        #: mamba spec reserves as many speculative blocks). 0: none. Not modelled yet: a drafter
+        mtp: int = 0,
         kv_load_failure_policy: str = "fail",  # vLLM's default
         additional_config: dict | None = None,  # vllm-ascend's (``--additional-config``)
         model_dir: str | None = None,  # the checkpoint folder (``checkpoint_dir``); default: one per (pattern, kv_heads)
@@ -103,12 +107,16 @@ class PoolInstance:
                     else None
                 ),
                 additional_config=dict(additional_config or {}),
+                speculative_config=speculative,
             )
             cfg.cache_config.block_size = block_size  # as EngineCore sets it from the KV cache groups
             if hasattr(cfg.cache_config, "get_resolved_kv_cache_layout"):  # vLLM 0.30: EngineCore resolves
                 cfg.cache_config.kv_cache_layout = "LBNHC"  # one layout (NHD: the harness's K/V views)
             return cfg
 
+        speculative = _speculative_config(model_config, mtp) if mtp else None
+        if mtp:
+            num_speculative_blocks = max(num_speculative_blocks, mtp)
         self.configs = [config(r) for r in range(tp)]
         self.layer_order = [f"model.layers.{i}." + ("linear_attn" if c == "G" else "self_attn.attn") for i, c in enumerate(pattern)]
         self.layer_index = {n: i for i, n in enumerate(self.layer_order)}

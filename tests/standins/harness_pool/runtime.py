@@ -168,6 +168,29 @@ def _model_config(pattern: str, kv_heads: int, max_model_len: int, model_dir: st
     return _MODEL_CONFIGS[key]
 
 
+def _speculative_config(model_config, num_tokens: int):
+    """vLLM's SpeculativeConfig for the stand-in model's MTP (``qwen3_next_mtp``: the checkpoint is a
+    Qwen3-Next one; Qwen3.5's ``qwen3_5_mtp`` is the same method family, ``use_eagle()`` true), with
+    ``num_tokens`` speculative tokens. vLLM inspects the draft architecture in a subprocess: it gets
+    the CPU stand-ins as ``_model_config`` gives them."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    old = _os.environ.get("PYTHONPATH")
+    _os.environ["PYTHONPATH"] = _os.pathsep.join(p for p in (str(_CHILD_SITE), old) if p)
+    try:
+        return SpeculativeConfig(
+            method="qwen3_next_mtp",
+            num_speculative_tokens=num_tokens,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
+    finally:
+        if old is None:
+            _os.environ.pop("PYTHONPATH", None)
+        else:
+            _os.environ["PYTHONPATH"] = old
+
+
 @_contextmanager
 def _process_of_rank(rank: int, tp: int):
     """What vllm-ascend's pool worker and MemCache backend read of the process's parallel state."""
