@@ -83,26 +83,26 @@ def make_handle_invalid(
         if evict:
             self.kv_cache_manager.evict_blocks(evict)
         now = time.monotonic()
-        for request in rolled:
-            request.__dict__[mark] = True  # recompute: the resume must not load the failed range again
-            self.running.remove(request)
-            preempt(self, request, now, num_scheduled_tokens)
-        ids = sorted(r.request_id for r in rolled)
+
+        def preempt_each(requests, marked: bool) -> list[str]:
+            for request in requests:
+                if marked:  # recompute: the resume must not load the failed range again
+                    request.__dict__[mark] = True
+                self.running.remove(request)
+                preempt(self, request, now, num_scheduled_tokens)
+            if counts is not None:
+                counts.add("requests_rolled_back", len(requests))
+            pool_events.bump("requests_rolled_back", len(requests))
+            return sorted(r.request_id for r in requests)
+
+        ids = preempt_each(rolled, True)
         if counts is not None:
-            counts.add("requests_rolled_back", len(rolled))
             counts.add("blocks_evicted", len(evict))
-        pool_events.bump("requests_rolled_back", len(rolled))
         pool_events.bump("tokens_recomputed", sum(before.get(r, 0) - points[r] for r in ids))
         logger().warning(message, ids, len(evict))
         if not sharing:
             return failed
-        for request in sharing:  # not marked: their own pool hits, if any, did not fail
-            self.running.remove(request)
-            preempt(self, request, now, num_scheduled_tokens)
-        shared = sorted(r.request_id for r in sharing)
-        if counts is not None:
-            counts.add("requests_rolled_back", len(sharing))
-        pool_events.bump("requests_rolled_back", len(sharing))
+        shared = preempt_each(sharing, False)  # not marked: their own pool hits, if any, did not fail
         pool_events.bump("tokens_recomputed", sum(before.get(r, 0) for r in shared))
         logger().warning(
             "ascend_layerwise_patch: request(s) %s preempted with them: a local prefix hit gave them blocks "
