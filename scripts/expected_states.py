@@ -19,7 +19,13 @@ PAIRS = ROOT / "scripts" / "pairs.txt"
 BEGIN, END = "<!-- expected-states: begin (scripts/expected_states.py --readme) -->", "<!-- expected-states: end -->"
 GROUPS_BEGIN, GROUPS_END = "<!-- patch-groups: begin (scripts/expected_states.py --readme) -->", "<!-- patch-groups: end -->"
 INDEX = ROOT / "ascend_layerwise_patch" / "patches" / "__init__.py"
-WORDS = {"applied": "applied", "fixed": "fixed upstream", "range": "out of range", "noimport": "does not import"}
+WORDS = {
+    "applied": "applied",
+    "fixed": "fixed upstream",
+    "ported": "ported (its fix for this pair applies)",
+    "range": "out of range",
+    "noimport": "does not import",
+}
 
 
 def load(path: Path = TABLE) -> tuple[list[str], dict[str, dict[str, str]]]:
@@ -41,6 +47,8 @@ def code_of(state: str, reason: str) -> str:
     if state == "applied":
         return "applied"
     if state == "skipped":
+        if reason.startswith("ported:"):  # out of range, with its fix for these versions named (before "range")
+            return "ported"
         for code, words in (("fixed", "already fixed upstream"), ("range", "version out of range"), ("noimport", "does not import")):
             if words in reason:
                 return code

@@ -35,6 +35,8 @@ class Group(str):
         ``precondition`` that is an :class:`~ascend_layerwise_patch.registry.Expect` (what
         :func:`expects` returns) is declared as the spec's ``expects``: data, checked by the registry."""
         fields = {**self.shared, **fields}
+        # ported_to: (Ranges, where) pairs, declared like the group's own ranges
+        fields["ported_to"] = tuple(({"vllm": r.vllm, "vllm_ascend": r.vllm_ascend}, where) for r, where in fields.get("ported_to", ()))
         if isinstance(fields.get("precondition"), Expect):
             fields["expects"] = fields.pop("precondition")
         vllm, vllm_ascend = ranges or self.ranges

@@ -29,6 +29,7 @@ from .spec import (
     APPLIED,
     CONFLICT,
     PLAIN,
+    PORTED,
     Context,
     Host,
     PENDING,
@@ -205,15 +206,25 @@ class Registry(GroupApplier, Summary):
             return self.status()
 
     # ------------------------------------------------------------------ decisions
-    def _out_of_range(self, spec: PatchSpec) -> str | None:
-        for key, wanted in spec.requires.items():
+    def _misses(self, requires) -> str | None:
+        """Why the host's versions are outside ``requires`` (None: inside)."""
+        for key, wanted in requires.items():
             if wanted is not None:
                 if key not in self._versions:
-                    return f"version out of range: needs {key} {wanted}, which the host does not detect"
+                    return f"needs {key} {wanted}, which the host does not detect"
                 ok, why = in_range(self._versions[key], wanted)
                 if not ok:
-                    return f"version out of range: {why}"
+                    return why
         return None
+
+    def _out_of_range(self, spec: PatchSpec) -> str | None:
+        why = self._misses(spec.requires)
+        if why is None:
+            return None
+        for requires, where in spec.ported_to:
+            if self._misses(requires) is None:
+                return f"{PORTED}: on these versions {where} carries this fix (version out of range: {why})"
+        return f"version out of range: {why}"
 
     def _find_unneeded(self) -> None:
         """Members out of their own range in a group that has members in range: left out, and the

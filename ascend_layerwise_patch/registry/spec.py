@@ -16,6 +16,9 @@ CONFLICT = "conflict"
 REVERTED = "reverted"
 #: how a skipped patch's reason starts when its detector found the fix in the installed code
 FIXED_UPSTREAM = "already fixed upstream"
+#: how a skipped patch's reason starts when it is out of range where its ``ported_to`` names the code
+#: that carries its fix on those versions
+PORTED = "ported"
 
 Check = Callable[[Any], "str | None"]
 
@@ -97,6 +100,11 @@ class PatchSpec(NamedTuple):
     #: the patches (by name) this one is stacked on: every earlier spec of the same target must be
     #: named here (two patches on one attribute say so, and in which order they wrap)
     after: tuple[str, ...] = ()
+    #: releases out of ``requires`` on which another group (or other members of this one) carries
+    #: this patch's fix, rewritten for that release: ``(requires, "where")`` pairs. Out of range there,
+    #: the patch is skipped with a reason that starts ``ported:`` and names ``where`` (not a bare
+    #: "out of range": the defect is handled on that pair, by the code named)
+    ported_to: tuple[tuple[Mapping[str, str | None], str], ...] = ()
 
     @property
     def module(self) -> str:

@@ -36,6 +36,7 @@ def test_codes_from_check_reasons():
     assert code("applied", "") == "applied"
     assert code("skipped", "already fixed upstream: x") == "fixed"
     assert code("skipped", "version out of range: vllm 0.24.0 is outside") == "range"
+    assert code("skipped", "ported: on these versions group g carries this fix (version out of range: x)") == "ported"
     assert code("skipped", "m does not import with the installed versions (e); nothing to patch") == "noimport"
     assert code("failed", "target changed: x") == "failed: target changed: x"
 

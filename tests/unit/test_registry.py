@@ -329,6 +329,24 @@ def test_version_out_of_range_skips_group(pkg, monkeypatch):
     assert mod.helper(1) == 2
 
 
+def test_out_of_range_where_its_port_applies_says_ported(pkg, monkeypatch):
+    """``ported_to``: out of its range on versions where other code carries its fix, the reason names
+    that code (``ported:``); out of range elsewhere it stays a plain "version out of range"."""
+    _, write = pkg
+    target = write("t", TARGET)
+    mod = importlib.import_module(target)
+    ported = (({"vllm": ">=0.30,<0.31", "vllm_ascend": None}, "group g_030"),)
+    for version, want in (("0.30.0", "ported: on these versions group g_030 carries this fix (version out of range: "),
+                          ("0.26.0", "version out of range: vllm 0.26.0 is outside")):
+        monkeypatch.setattr(versions, "detect", lambda v=version: {"vllm": versions.Installed("vllm", v), "vllm_ascend": versions.Installed("vllm-ascend", None)})
+        r = Registry([spec(target, vllm=">=0.25.0,<0.26", ported_to=ported)])
+        r.activate({})
+        state, reason = states(r)["p"]
+        assert state == reg.SKIPPED and reason.startswith(want), reason
+        assert mod.helper(1) == 2  # never applied
+        r.revert()
+
+
 def test_member_out_of_its_own_range_is_left_out_and_the_group_applies(pkg, monkeypatch):
     """A member declared for fewer versions than its group is not part of the group elsewhere."""
     _, write = pkg

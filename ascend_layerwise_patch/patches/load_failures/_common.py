@@ -4,7 +4,7 @@ leave on vLLM's and vllm-ascend's objects."""
 from __future__ import annotations
 
 from .._checks import Group
-from .._ranges import V025
+from .._ranges import V025, V030
 
 RISK = "failed or late layerwise loads are computed on without telling vLLM (wrong tokens, silently)"
 
@@ -13,19 +13,23 @@ _WHY = (
     "which handles hybrid (multi-group) requests"
 )
 
-GROUP = Group("load_failures", V025, risk=RISK, why=_WHY)
+#: on vLLM 0.30 + vllm-ascend 0.30.0rc2 the same fixes, written for that release's connector, are the
+#: pool_load_recovery package's groups (named here, not imported: no group imports another)
+_ON_030 = lambda group: ((V030, f"group {group}"),)  # noqa: E731
+
+GROUP = Group("load_failures", V025, risk=RISK, why=_WHY, ported_to=_ON_030("pool_load_recovery"))
 
 #: the platform's config check: imported long before the rest
-POLICY_GROUP = Group("load_failures_policy", V025, risk=RISK, why=_WHY)
+POLICY_GROUP = Group("load_failures_policy", V025, risk=RISK, why=_WHY, ported_to=_ON_030("pool_load_recovery_policy"))
 
 #: recompute = evict + preempt (own group: own switch)
-ROLLBACK_GROUP = Group("load_failures_rollback", V025, risk=RISK, why=_WHY)
+ROLLBACK_GROUP = Group("load_failures_rollback", V025, risk=RISK, why=_WHY, ported_to=_ON_030("pool_load_recovery"))
 
 #: a failed step's saves are finished failed (own group: own switch)
-SAVES_GROUP = Group("load_failures_saves", V025, risk=RISK, why=_WHY)
+SAVES_GROUP = Group("load_failures_saves", V025, risk=RISK, why=_WHY, ported_to=_ON_030("pool_load_recovery"))
 
 #: every TP rank learns of a load that failed on any rank (own group: a collective, own switch)
-AGREEMENT_GROUP = Group("load_failures_agreement", V025, risk=RISK, why=_WHY)
+AGREEMENT_GROUP = Group("load_failures_agreement", V025, risk=RISK, why=_WHY, ported_to=_ON_030("pool_load_agreement"))
 
 
 _FAILED_COPY = "_ascend_layerwise_patch_failed_copy"  # thread: result of the copy being handled

@@ -41,7 +41,7 @@ import functools
 
 from ... import pool_events
 from .._checks import Group
-from .._ranges import V025_026
+from .._ranges import V025_026, V029_030
 from .._checks import source as _source
 from .._targets import STORE
 from . import loads as _loads
@@ -173,7 +173,13 @@ def _classmethod_ok(params: list[str], caller: str, module: str):
 _RECV = f"{STORE}.pool_worker:KVCacheStoreLayerRecvingThread"
 _METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
 
-GROUP = Group("pool_metrics", V025_026, risk="the pool's failures stay off /metrics and the KV-transfer log line")
+GROUP = Group(
+    "pool_metrics",
+    V025_026,
+    risk="the pool's failures stay off /metrics and the KV-transfer log line",
+    # vllm-ascend 0.30.0rc2 (vLLM 0.29 / 0.30): the same figures through its own connector stats
+    ported_to=((V029_030, "group pool_metrics' *_030 members (pool_metrics/v030.py)"),),
+)
 
 
 SPECS = (
