@@ -44,6 +44,23 @@ class Group(str):
         return _Spec(name=name, group=str(self), target=target, factory=factory, requires=requires, **fields)
 
 
+    def vouched(self, name: str, target: str, detector, *, ranges: Ranges, what: str) -> _Spec:
+        """A member that applies nothing: on ``ranges`` (releases that reworked the group's targets)
+        it reads the release's own fix of the group's defect at ``target`` (``detector``: the reason
+        when found) and is skipped as fixed upstream. Where the detector no longer finds the fix the
+        group fails with that message and its risk: the release changed and nobody has checked it
+        again. The group's other members name it in ``ported_to`` for those releases."""
+
+        def gone(_original) -> str:
+            return f"{what} is no longer found in the installed code"
+
+        def never_applied(_original):  # its precondition fails before it could run
+            raise AssertionError(f"{name} (a vouched member) is never applied")
+
+        never_applied.__module__ = detector.__module__  # the member belongs to its group's package
+        return self.spec(name, target, never_applied, ranges=ranges, fixed_upstream=detector, precondition=gone, why=what)
+
+
 @functools.lru_cache(maxsize=64)  # the detectors of one group read the same class sources
 def source(obj) -> str:
     """``obj``'s source, or "" where there is none (built-ins, generated code)."""

@@ -21,7 +21,7 @@ import ascend_layerwise_patch
 from ascend_layerwise_patch.registry import APPLIED
 from support import PAIR
 
-PAIRS = ("v0251", "v0260")
+PAIRS = ("v0251", "v0260", "v0300")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
@@ -187,10 +187,35 @@ CONTROLS = {"no_hit", "no_connector"}
 RIGHT_ON_026 = {"local_hit_with_connector", "local_hit_empty_pool"}
 
 
+HUNG = "hung"
+#: Scenarios upstream already gets right on a pair. vllm-ascend 0.26.0rc1: a local hit keeps its
+#: mamba state on a kv_both / kv_producer instance (its scheduler takes the joint lookup for
+#: producers); a kv_consumer's does not (local_hit_consumer), nor does any instance's with balance
+#: scheduling on (local_hit_balance_scheduling).
+#: vllm-ascend 0.30.0rc2: every scenario but a whole-prompt hit (that one is pool_hit_boundary's,
+#: applied there): its hit check takes vLLM's per-group rule and its saves skip null blocks
+#: (mamba_pool_hit_030 vouches it; the group's 0.25 / 0.26 members read ``ported`` there).
+RIGHT_WITHOUT_LIBRARY = {
+    "v0260": ("local_hit_with_connector", "local_hit_empty_pool"),
+    "v0300": (
+        "pool_hit_plus_5",
+        "pool_hit_plus_1",
+        "pool_and_local_hits_in_one_batch",
+        "local_hit_with_connector",
+        "local_hit_empty_pool",
+        "local_hit_consumer",
+        "local_hit_balance_scheduling",
+        "first_block_only",
+    ),
+}
+
+
 def _scenario(name: str):
     """One scenario as a test parameter, a control where it is right without the library too."""
     why = ("a control scenario: no pool hit, or no connector" if name in CONTROLS else
-           "vllm-ascend 0.26.0rc1 serves this local hit right itself" if PAIR == "v0260" and name in RIGHT_ON_026 else "")
+           "vllm-ascend 0.26.0rc1 serves this local hit right itself" if PAIR == "v0260" and name in RIGHT_ON_026 else
+           "vllm-ascend 0.30.0rc2 serves this hit right itself (mamba_pool_hit_030 vouches it)"
+           if PAIR == "v0300" and name in RIGHT_WITHOUT_LIBRARY["v0300"] else "")
     return pytest.param(name, id=name, marks=[pytest.mark.control(why)] if why else [])
 
 
@@ -241,7 +266,7 @@ def test_library_off_reads_wrong_states(library_off, monkeypatch):
     every (a)/(b)/(c) scenario, and the controls are right either way."""
     import harness_pool
 
-    if PAIR == "v0260":  # its waits have no time limit: a step is fast or hung, never 10 s per layer
+    if PAIR in ("v0260", "v0300"):  # their waits have no time limit: a step is fast or hung, never 10 s per layer
         monkeypatch.setattr(harness_pool.timing, "STEP_LIMIT_S", 5.0)  # a step here takes well under 1 s
     else:  # 0.25.1rc1 waits 10 s for each layer whose load never comes, then computes: 0.5 s here
         monkeypatch.setattr(harness_pool.timing, "LOAD_WAIT_SCALE", 0.05)
@@ -256,14 +281,6 @@ def test_library_off_reads_wrong_states(library_off, monkeypatch):
             assert (wrong_gdn, wrong_attn) == (0, 0), name  # upstream already right: see the note there
         else:
             assert wrong_gdn == HUNG or wrong_gdn > 0, name
-
-
-HUNG = "hung"
-#: Scenarios upstream already gets right on a pair. vllm-ascend 0.26.0rc1: a local hit keeps its
-#: mamba state on a kv_both / kv_producer instance (its scheduler takes the joint lookup for
-#: producers); a kv_consumer's does not (local_hit_consumer), nor does any instance's with balance
-#: scheduling on (local_hit_balance_scheduling).
-RIGHT_WITHOUT_LIBRARY = {"v0260": ("local_hit_with_connector", "local_hit_empty_pool")}
 
 
 def _or_hung(name: str):
@@ -288,6 +305,7 @@ def test_speculative_blocks_control(library_on, monkeypatch, name):
     assert (wrong_gdn, wrong_attn) == (0, 0)
 
 
+@pytest.mark.pairs("v0251", "v0260")  # 0.30: gdn_layerwise is fixed upstream (its detector answers first)
 @pytest.mark.control("a registry of the group's own specs, one drifted: the group's all-or-nothing rule, not this process's activation")
 def test_precopy_applies_with_gdn_layerwise_or_not_at_all():
     """(a) and the GDN per-layer wait are one group: a drifted pre-copy target takes the wait down
@@ -321,6 +339,7 @@ def test_precopy_applies_with_gdn_layerwise_or_not_at_all():
     }, states
 
 
+@pytest.mark.pairs("v0251", "v0260")  # 0.30: mamba_pool_hit's 0.25 / 0.26 members are out of range
 def test_pool_hit_group_off_reads_wrong_states(library_on):
     """Everything else on, ``mamba_pool_hit`` off: the (c) boundaries read states nobody saved
     (on v0260 too, where the library-off run above hangs before it gets there)."""

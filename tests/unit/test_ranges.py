@@ -45,7 +45,7 @@ ON_030 = {
     for m in (connector_guards, gdn_layerwise, mamba_precopy, postprocess_kernel, mamba_local_hit, pool_hit_boundary, pool_key_tp,
               pool_load_recovery, pool_metrics_030)
     for s in m.SPECS
-}
+} | {"gdn_tp_keys_030", "mamba_pool_hit_030"}  # vouched members: they read 0.30's own fix of their group's defect
 #: vLLM 0.30 only: vLLM 0.29's scheduler cannot take a hybrid load-failure report (one group unpacked)
 ONLY_VLLM_030 = {s.name for s in pool_load_recovery.SPECS}
 

@@ -9,7 +9,11 @@ Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (base releases). vllm-a
          builds tasks (allocation moved to ``_alloc_gvas_for_save``, which also drops cached keys
          MemCache no longer has: the leader-keys view supports ``pop``), and keys are finished with
          the step's last save task on every rank (``write_finish_keys``), so ``gdn_tp_finish`` is
-         skipped there as fixed upstream.
+         skipped there as fixed upstream. vllm-ascend 0.30.0rc2 (vLLM 0.29 / 0.30) keys, saves and
+         hit-checks align-state groups per TP rank itself: member ``gdn_tp_keys_030`` reads that in
+         its code and is skipped as fixed upstream (the group fails there if it is gone), the others
+         read ``ported`` (tests/standins/test_rank_processes.py runs TP 4 / 8 over 2 KV heads there
+         with the library off).
 Why      When tensor parallel exceeds the model's KV heads (Qwen3-Next: 2 KV heads, TP 4 or 8),
          ``KVPoolWorker`` sets ``put_step = tp_size // num_kv_heads`` and keys every layerwise GVA
          blob by ``head_or_tp_rank = tp_rank // put_step``; only ranks with
@@ -52,7 +56,7 @@ import functools
 import importlib
 
 from .._checks import Group
-from .._ranges import V025_026
+from .._ranges import V025_026, V029_030
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
@@ -236,14 +240,29 @@ def _scheduler_ok(original) -> str | None:
 
 
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
+def _keys_per_rank_030(original) -> str | None:
+    """vllm-ascend 0.30.0rc2 (which reworked this group's targets: the hit check, keys and sending
+    thread) keys, saves and hit-checks align-state groups per TP rank itself."""
+    worker = _source(importlib.import_module(f"{STORE}.pool_worker").KVPoolWorker)
+    if "self.tp_size if group_id in self.num_speculative_blocks_by_group" in _source(original) and (
+        "or self.group_uses_align_state[group_id]" in worker
+    ):
+        return (
+            "vllm-ascend saves every rank's slice of an align-state (GDN) group and its hit check asks all "
+            "tp_size keys of such a group's block"
+        )
+    return None
+
+
 GROUP = Group(
     "gdn_tp_keys",
     V025_026,
     risk=RISK,
     why="GDN (align-state) groups are keyed, saved and loaded per TP rank in the layerwise pool",
     fixed_upstream=_upstream_keys_per_rank,
+    # vllm-ascend 0.30.0rc2: fixed there (gdn_tp_keys_030 reads it; tests/standins/test_rank_processes.py
+    # test_layout_saves_and_hits runs TP 4 / 8 over 2 KV heads on v0300 with the library off)
+    ported_to=((V029_030, "member gdn_tp_keys_030 (vllm-ascend keys GDN state per TP rank itself)"),),
 )
 
 
@@ -275,6 +294,13 @@ SPECS = (
         make_build_shared,
         precondition=_worker_ok(["self"], needs=("layer_save_tasks", "shared_block_data"), globals_=("LayerTransferTask",)),
         fixed_upstream=_finish_upstream,
+    ),
+    GROUP.vouched(
+        "gdn_tp_keys_030",
+        f"{STORE}.pool_scheduler:KVPoolScheduler._make_layerwise_hit_check_keys",
+        _keys_per_rank_030,
+        ranges=V029_030,
+        what="vllm-ascend 0.30.0rc2's per-TP-rank keys of align-state groups",
     ),
     GROUP.spec(
         "gdn_tp_hit_check",

@@ -7,6 +7,10 @@ Target   vllm_ascend...ascend_store.pool_scheduler: KVPoolScheduler._get_layerwi
          the same wrapper is group ``mamba_pool_resume_load``, see ``RESUME_LOAD_SPECS``).
 Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (``mamba_pool_null_loads``: vllm-ascend
          >=0.26.0,<0.27; ``mamba_pool_resume_load``: <0.26). vllm-ascend 0.26.0rc1's hit check and save are unchanged (same defects).
+         vllm-ascend 0.30.0rc2 (vLLM 0.29 / 0.30) ends a hybrid hit by vLLM's own per-group rule and
+         skips null blocks in its saves: member ``mamba_pool_hit_030`` reads that in its code and is
+         skipped as fixed upstream (the group fails there if it is gone), the others read ``ported``
+         (tests/standins/test_gdn_prefix_hits.py runs the pool-hit scenarios there, library on and off).
 Why      Two hit boundaries where no saved state exists, both read by GDN as if it did:
          (c1) a prompt wholly in the pool whose length is a multiple of the block size: the hit
          check returns the whole prompt and ``get_num_new_matched_tokens`` subtracts one TOKEN, so
@@ -62,7 +66,7 @@ import math
 from ... import pool_events
 from .._targets import STORE as POOL
 from .._checks import Group, expects, source
-from .._ranges import ASCEND_026, V025, V025_026
+from .._ranges import ASCEND_026, V025, V025_026, V029_030
 from .._checks import param_names as _params
 
 NULL_BLOCK_ID = 0  # vLLM's BlockPool.null_block
@@ -321,9 +325,36 @@ def _loads_fixed(original) -> str | None:
     return None
 
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
-GROUP = Group("mamba_pool_hit", V025_026)
+def _hit_fixed_030(original) -> str | None:
+    """vllm-ascend 0.30.0rc2 (which reworked this group's targets) ends a hybrid hit by vLLM's own
+    per-group rule and never saves a mamba group's null block."""
+    coordinator = source(importlib.import_module(f"{POOL}.coordinator"))
+    worker = source(importlib.import_module(f"{POOL}.pool_worker").KVPoolWorker)
+    if (
+        "_lookup_layerwise_with_coordinator" in source(original)
+        and "find_longest_cache_hit" in coordinator
+        and "skip_null_blocks_by_group = self.group_uses_align_state" in worker
+    ):
+        return (
+            "vllm-ascend's layerwise hit check takes vLLM's longest-hit rule per KV cache group (a mamba "
+            "group's hit ends on a saved state) and its saves skip the mamba groups' null blocks"
+        )
+    return None
+
+
+GROUP = Group(
+    "mamba_pool_hit",
+    V025_026,
+    # vllm-ascend 0.30.0rc2: fixed there (mamba_pool_hit_030 reads it; tests/standins/test_gdn_prefix_hits.py
+    # runs the pool-hit scenarios on v0300 with the library off)
+    ported_to=(
+        (
+            V029_030,
+            "member mamba_pool_hit_030 (vllm-ascend's hit check ends on a saved state itself) with group "
+            "pool_hit_boundary (a whole-prompt hit)",
+        ),
+    ),
+)
 
 SPECS = (
     GROUP.spec(
@@ -349,6 +380,13 @@ SPECS = (
         why="a layerwise load does not look up mamba null blocks (never published; 0.26 stops on a missing key)",
         precondition=_loads_precondition,
         fixed_upstream=_loads_fixed,
+    ),
+    GROUP.vouched(
+        "mamba_pool_hit_030",
+        f"{POOL}.pool_scheduler:KVPoolScheduler._get_layerwise_hit_tokens",
+        _hit_fixed_030,
+        ranges=V029_030,
+        what="vllm-ascend 0.30.0rc2's state-aligned layerwise hit check",
     ),
 )
 
