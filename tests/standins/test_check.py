@@ -152,7 +152,7 @@ def test_check_json_records_every_place_with_its_state():
 
         fixed = {"send_integrity_copy", "gdn_tp_finish"}
         groups = (mamba_precopy, mamba_pool_hit, gdn_tp_keys, mamba_local_hit, pool_key_layout)  # issue 22: pool_key_layout
-        pool = [s.name for m in groups for s in m.SPECS if s.name not in fixed]
+        pool = [s.name for m in groups for s in m.SPECS if s.name not in fixed and not s.name.endswith("_030")]  # vouched: 0.30
         assert {states[n] for n in [*pool, "send_integrity_own_arrays", "send_integrity_idle_steps"]} == {"applied"}, states
         # issue 23: the send backlog bound is declared for 0.25 only (test_send_shedding.py says why)
         assert patches["send_shedding"]["state"] == "skipped" and "out of range" in patches["send_shedding"]["reason"]
@@ -173,7 +173,7 @@ def test_check_json_records_every_place_with_its_state():
         for name in fixed:
             assert patches[name]["reason"].startswith("already fixed upstream"), patches[name]
         for name, state in states.items():
-            if state == "skipped" and name not in fixed:
+            if state == "skipped" and name not in fixed:  # "ported: ... (version out of range: ...)" too
                 assert "version out of range" in patches[name]["reason"], patches[name]
     else:
         assert set(states.values()) == {"skipped"}
