@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import os
 import time
 from collections.abc import Callable, Iterable
 
 from .. import pool_events
 from ..host import logger
-from ._checks import Counts, expects
+from ._checks import Counts, expects, source
 
 
 def handle_invalid_ok(original, release_problem: Callable[[object], str | None]) -> str | None:
@@ -37,7 +36,7 @@ def handle_invalid_ok(original, release_problem: Callable[[object], str | None])
     if not callable(getattr(importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager, "evict_blocks", None)):
         return "KVCacheManager.evict_blocks is gone"
     pool = importlib.import_module("vllm.v1.core.block_pool").BlockPool
-    if "self.blocks" not in inspect.getsource(pool.__init__):
+    if "self.blocks" not in source(pool.__init__):
         return "BlockPool no longer keeps its blocks in .blocks"  # sharing_requests reads them
     return None
 

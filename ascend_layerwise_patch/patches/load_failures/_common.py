@@ -3,6 +3,7 @@ leave on vLLM's and vllm-ascend's objects."""
 
 from __future__ import annotations
 
+from ...host import logger
 from .._checks import Group
 from .._ranges import V025, V030
 
@@ -41,32 +42,29 @@ _RECV = "_ascend_layerwise_patch_recv"  # thread: _Recv
 _STEP = "_ascend_layerwise_patch_load_step"  # worker: _Step
 
 
-_TAINTED = "_ascend_layerwise_patch_tainted"  # worker: req ids computing on a failed load until preempted
-
-
-#: worker: req id (tainted) -> the block ids its ReqMeta of the failed step named: a request given one
-#: of them by a local prefix hit computes on the failed load too (issue 32)
-_TAINTED_BLOCKS = "_ascend_layerwise_patch_tainted_blocks"
+#: worker: req id computing on a failed load until its preemption (or end) reaches the worker -> the
+#: block ids its ReqMeta of the failed step named: a request given one of them by a local prefix hit
+#: computes on the failed load too (issue 32)
+_TAINTED = "_ascend_layerwise_patch_tainted"
 
 
 def taint(worker, meta) -> None:
     """``meta``'s request computes on a failed load: its saves are dropped until its preemption (or
     end) reaches the worker, and so are those of any request holding one of its blocks meanwhile
     (:func:`poison_sharing`)."""
-    worker.__dict__.setdefault(_TAINTED, set()).add(meta.req_id)
-    blocks = worker.__dict__.setdefault(_TAINTED_BLOCKS, {}).setdefault(meta.req_id, set())
+    blocks = worker.__dict__.setdefault(_TAINTED, {}).setdefault(meta.req_id, set())
     blocks.update(int(b) for ids in (getattr(meta, "block_ids_by_group", None) or ()) for b in ids if b)
 
 
-def poison_sharing(worker, requests) -> list[str]:
+def poison_sharing(worker, requests, when: str) -> list[str]:
     """Marks (``_POISONED``) every ReqMeta of ``requests`` that holds a block of a tainted request:
     vLLM gave it that block by a local prefix hit -- in the failed step's own batch or, under async
     scheduling, in a step scheduled before the rollback -- so it computes on never-loaded blocks or
     on blocks computed from them, and its saves must not be published either (the scheduler preempts
     it with the failed request, ``_failed_load.sharing_requests``). A request sharing only blocks
-    before the rollback point loses its saves of those steps: pool misses, never wrong bytes. Returns
-    the ids newly marked."""
-    tainted = worker.__dict__.get(_TAINTED_BLOCKS)
+    before the rollback point loses its saves of those steps: pool misses, never wrong bytes. Logs
+    them (``when``: where the hit was taken) and returns the ids newly marked."""
+    tainted = worker.__dict__.get(_TAINTED)
     if not tainted:
         return []
     held = set().union(*tainted.values())
@@ -77,6 +75,14 @@ def poison_sharing(worker, requests) -> list[str]:
         if any(int(b) in held for ids in (getattr(meta, "block_ids_by_group", None) or ()) for b in ids):
             meta.__dict__[_POISONED] = True
             marked.append(meta.req_id)
+    if marked:
+        logger().warning(
+            "ascend_layerwise_patch: TP rank %d: requests %s hold blocks of a request whose layerwise load failed "
+            "(a local prefix hit %s); their pool keys of the step are finished as failed",
+            getattr(worker, "tp_rank", 0),
+            sorted(marked),
+            when,
+        )
     return marked
 
 

@@ -79,15 +79,9 @@ def _mark(worker, requests, flags) -> None:
         if failed:
             meta.__dict__[_POISONED] = True
             taint(worker, meta)
-    sharing = poison_sharing(worker, requests)  # a local hit on the failed requests' blocks, this batch
+    sharing = poison_sharing(worker, requests, "in the failed step's batch")
     if sharing:
         COUNTS.add("sharing_dropped", len(sharing))
-        logger().warning(
-            "ascend_layerwise_patch: TP rank %d: requests %s hold blocks of a request whose layerwise load "
-            "failed (a local prefix hit); their pool keys of the step are finished as failed",
-            worker.tp_rank,
-            sorted(sharing),
-        )
     if elsewhere:
         COUNTS.add("failed_elsewhere", len(elsewhere))
         logger().warning(

@@ -20,17 +20,15 @@ from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, GROUP, _as_scheduled
 WAIT_S = _failed_load.WAIT_S  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
 
 
-
 class _Recv:
-    """What the receiving thread tells the worker: blocks of failed copies, and whether it is busy."""
+    """What the receiving thread tells the worker: blocks of failed copies, and whether it is inside one."""
 
-    __slots__ = ("lock", "failed", "busy", "idle")
+    __slots__ = ("lock", "failed", "idle")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.failed: set[int] = set()
-        self.busy = False
-        self.idle = threading.Event()  # set whenever the thread is not inside a copy
+        self.idle = threading.Event()  # set whenever the thread is not inside a copy (wakes the fence)
         self.idle.set()
 
     def take(self) -> set[int]:
@@ -91,7 +89,6 @@ def make_recv_handle(original):
         state = _recv(self)
         blocks = set().union(*(_task_blocks(t) for t in data.transfer_tasks))  # before the thread clears them
         self.__dict__.pop(_FAILED_COPY, None)
-        state.busy = True
         state.idle.clear()
         try:
             return original(self, data)
@@ -99,7 +96,6 @@ def make_recv_handle(original):
             if self.__dict__.pop(_FAILED_COPY, None) is not None and blocks:
                 with state.lock:
                     state.failed |= blocks
-            state.busy = False
             state.idle.set()
 
     return _handle_request

@@ -12,7 +12,7 @@ from ...host import logger
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
-from ._common import _POISONED, _TAINTED, _TAINTED_BLOCKS, DROPPED, SAVES_GROUP, poison_sharing
+from ._common import _POISONED, _TAINTED, DROPPED, SAVES_GROUP, poison_sharing
 
 
 def make_send_handle(original):
@@ -57,25 +57,15 @@ def make_start_load_kv(original):
     def start_load_kv(self, metadata):
         tainted = self.__dict__.get(_TAINTED)
         if tainted:
-            tainted -= set(getattr(metadata, "preempted_req_ids", None) or ())
+            ended = set(getattr(metadata, "preempted_req_ids", None) or ())
             unfinished = getattr(metadata, "unfinished_request_ids", None)
-            if unfinished is not None:
-                tainted &= set(unfinished)
-            blocks = self.__dict__.get(_TAINTED_BLOCKS) or {}
-            for req_id in [r for r in blocks if r not in tainted]:
-                del blocks[req_id]  # its preemption reached the worker: vLLM evicted those blocks
+            for req_id in [r for r in tainted if r in ended or (unfinished is not None and r not in unfinished)]:
+                del tainted[req_id]  # its preemption (or end) reached the worker: vLLM evicted its blocks
             requests = getattr(metadata, "requests", ())
             for meta in requests:
                 if meta.req_id in tainted:
                     meta.__dict__[_POISONED] = True
-            sharing = poison_sharing(self, requests)  # a local hit on them, in a step scheduled before the rollback
-            if sharing:
-                logger().warning(
-                    "ascend_layerwise_patch: requests %s hold blocks of a request whose layerwise load failed "
-                    "(a local prefix hit scheduled before its rollback); their pool keys of the step are "
-                    "finished as failed",
-                    sorted(sharing),
-                )
+            poison_sharing(self, requests, "scheduled before its rollback")
         return original(self, metadata)
 
     return start_load_kv

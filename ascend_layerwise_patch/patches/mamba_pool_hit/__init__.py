@@ -155,16 +155,13 @@ def state_aligned_hit(original):
         def saved(point: int) -> bool:
             return all(point // ebs <= len(ready) and ready[point // ebs - 1] for ebs, ready in ready_by_mamba)
 
+        # the hit ends where the caller's trim (0 but under an eagle draft on 0.26) leaves a saved state
         trim = _eagle_trim(self)
-        if trim:  # the hit must end where the caller's trim leaves a saved state (issue 33)
-            point = max(hit - trim, 0)
-            point -= point % unit
-            while point > 0 and not saved(point):
-                point -= unit
-            hit = point + trim if point > 0 else 0
-        else:
-            while hit > 0 and not saved(hit):
-                hit -= unit
+        point = max(hit - trim, 0)
+        point -= point % unit
+        while point > 0 and not saved(point):
+            point -= unit
+        hit = point + trim if point > 0 else 0
         if hit < aligned:
             pool_events.bump("hits_cut_back")
         return hit

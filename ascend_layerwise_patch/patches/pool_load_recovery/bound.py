@@ -58,7 +58,7 @@ from .worker import _FAILED, WORKER, _hit_blocks, recovers
 
 _STEP = "_ascend_layerwise_patch_wait_step"  # worker: _Step of the step being executed
 
-COUNTS = Counts("waits_timed_out", "steps_abandoned", "blocks_reported", "stale_events_cleared", "late_copies_fenced")
+COUNTS = Counts("waits_timed_out", "blocks_reported", "stale_events_cleared", "late_copies_fenced")
 
 
 class _Step:
@@ -93,7 +93,7 @@ def _loading(worker) -> list:
     return list(seen.values())
 
 
-def _give_up(worker, step: _Step, late_layer: int | None) -> list[int]:
+def _give_up(worker, step: _Step, late_layer: int) -> list[int]:
     """Report every load block of the step, mark its requests failed, drop its queued loads and
     release its leases (unless the late copy is the final layer's: it releases them itself)."""
     blocks: set[int] = set()
@@ -212,8 +212,9 @@ def make_wait(original):
 
 
 def make_prepare_step(original):
-    """Notes the step's load work; after a late step, clears stale load events (the receiving thread
-    idle) or reports and abandons this step's loads too (still busy)."""
+    """Notes the step's load work; after a late step (here or, told by the agreement, on another
+    rank), waits in the late-copy fence until the receiving thread is idle, then clears stale load
+    events."""
 
     @functools.wraps(original)
     def prepare_layerwise_step(self, metadata):
