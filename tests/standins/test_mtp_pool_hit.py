@@ -98,11 +98,11 @@ def test_an_mtp_pool_hit_resumes_on_a_saved_state(reference, chunk):
 
 
 @pytest.mark.pairs("v0260")
-@pytest.mark.control("pins the defect: mamba_pool_hit is skipped in the test, the same with the library off")
 def test_without_mamba_pool_hit_the_trimmed_hit_reads_an_unsaved_state(reference):
     """``mamba_pool_hit`` skipped (vllm-ascend as released for this hit): the trimmed hit at 16 loads
     the key saved for A's block 0 -- a mamba group's null block (A never checkpointed at 16) -- and
-    B's GDN layers start from it."""
+    B's GDN layers start from it. Not a control: with the whole library off 0.26's layer wait has no
+    bound and the load step hangs before any state is read (ASCEND_LAYERWISE_PATCH=0 run)."""
     with groups_skipped(*{s.group for s in mamba_pool_hit.SPECS}):
         off = _mtp_hit(32)
     differ = sum(x != y for x, y in zip(off["tokens"], reference))
