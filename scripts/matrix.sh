@@ -58,6 +58,9 @@ if [ -x "$root/v0251/bin/python" ]; then
   smoke "fetch reference kernels" "$root/v0251/bin/python" scripts/bench_postprocess.py fetch
   smoke bench_postprocess env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_PLUGINS= "$root/v0251/bin/python" scripts/bench_postprocess.py --cpu-smoke
 fi
+if [ -x "$root/v0300/bin/python" ]; then  # pool_metrics' 0.30 members: upstream's own stats path, extended
+  smoke "bench_pool_metrics (0.30)" "$root/v0300/bin/python" scripts/bench_pool_metrics.py --quick
+fi
 
 echo "matrix: ${#pairs[@]} pairs in $(( $(date +%s) - start )) s"
 # the figures the README quotes, measured on every run
