@@ -44,7 +44,7 @@ class Group(str):
         return _Spec(name=name, group=str(self), target=target, factory=factory, requires=requires, **fields)
 
 
-    def vouched(self, name: str, target: str, detector, *, ranges: Ranges, what: str) -> _Spec:
+    def vouched(self, name: str, target: str, detector, *, ranges: Ranges, what: str, after: tuple[str, ...] = ()) -> _Spec:
         """A member that applies nothing: on ``ranges`` (releases that reworked the group's targets)
         it reads the release's own fix of the group's defect at ``target`` (``detector``: the reason
         when found) and is skipped as fixed upstream. Where the detector no longer finds the fix the
@@ -58,7 +58,9 @@ class Group(str):
             raise AssertionError(f"{name} (a vouched member) is never applied")
 
         never_applied.__module__ = detector.__module__  # the member belongs to its group's package
-        return self.spec(name, target, never_applied, ranges=ranges, fixed_upstream=detector, precondition=gone, why=what)
+        return self.spec(
+            name, target, never_applied, ranges=ranges, fixed_upstream=detector, precondition=gone, why=what, after=after
+        )
 
 
 @functools.lru_cache(maxsize=64)  # the detectors of one group read the same class sources

@@ -11,6 +11,11 @@ bytes.
 Each case runs with the library on, and with the groups that make keys off (``pool_key_layout``,
 and where it matters ``gdn_tp_keys``): the off runs show the wrong reads, the foreign loads or the
 miss that never recovers.
+
+vllm-ascend 0.30.0rc2 (v0300, members ``pool_layout_keys_030`` / ``pool_gva_cache_030``): the checkpoint
+cases and the GVA map's bound run there too; its keys name the stage (PP > 1 is served, not refused), so
+there the PP case checks that the key names the PP size; TP layouts are ``pool_key_tp``'s
+(tests/standins/test_pool_key_tp.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from ascend_layerwise_patch.patches import pool_key_layout
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 from support import PAIR
 
-PAIRS = ("v0251", "v0260")
+PAIRS = ("v0251", "v0260", "v0300")
+BASE = ("v0251", "v0260")  #: the 0.25 / 0.26 members (namespace on the halves, PP refused)
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
@@ -37,6 +43,7 @@ PROMPT = list(range(3000, 3040))  # 2 full 16-token blocks + 8
 HIT = 32
 TAIL = [7, 8, 9, 10, 11]
 _NAMES = {s.name for s in pool_key_layout.SPECS}
+_030 = {"pool_layout_keys_030", "pool_gva_cache_030"}
 
 
 def _set(*, off: tuple[str, ...] = (), library: bool = True) -> None:
@@ -58,7 +65,8 @@ def _set(*, off: tuple[str, ...] = (), library: bool = True) -> None:
 def test_pool_key_layout_applies(activate):
     """The group's state, on its own (the defect tests run as configured)."""
     activate()
-    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.name in _NAMES} == {APPLIED}
+    names = _030 if PAIR == "v0300" else _NAMES - _030
+    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.name in names} == {APPLIED}
 
 
 @pytest.fixture
@@ -104,6 +112,7 @@ def _wrong(b: PoolInstance, pool) -> int:
 TP_CASES = [(4, 8, ("pool_key_layout", "gdn_tp_keys")), (8, 4, ("pool_key_layout",)), (2, 1, ("pool_key_layout",))]
 
 
+@pytest.mark.pairs(*BASE)
 @pytest.mark.parametrize("w,r,off", TP_CASES, ids=[f"tp{w}-to-tp{r}" for w, r, _ in TP_CASES])
 def test_another_tp_layout_reads_a_miss(activate, w, r, off):
     reference = reference_outputs({"b": PROMPT[:HIT] + TAIL}, max_tokens=2)
@@ -136,6 +145,10 @@ def test_same_layout_still_hits_with_the_right_bytes(activate):
     pool = make_pool()
     _a, b, loaded = _hit(pool, dict(tp=2, kv_heads=2), dict(tp=2, kv_heads=2))
     assert loaded and _wrong(b, pool) == 0
+    if PAIR == "v0300":  # the key builder is bound with the namespace (upstream's key names the stage)
+        (ns,) = {k.split("@")[0] for k in pool.ready_keys()}
+        assert ns.startswith(f"alp{pool_key_layout.FORMAT}.") and ns.endswith(".tp2.pp1"), ns
+        return
     names = set(b.on_ranks(_model_name))  # every rank's worker half, in its process
     assert len(names) == 1 and {k.split("@")[0] for k in pool.ready_keys()} == names
     (ns,) = names
@@ -144,6 +157,7 @@ def test_same_layout_still_hits_with_the_right_bytes(activate):
 
 
 # -------------------------------------------------------------------- a pool of older processes
+@pytest.mark.pairs(*BASE)  # 0.30: keys without the library name no TP size (pool_key_tp): test_pool_upgrade.py
 def test_a_pool_written_without_the_library_is_never_read(activate):
     """A writes with the library off (null mamba blocks published under real hashes, upstream keys);
     B reads with it on: a miss, 0 wrong reads. Control: B with everything but pool_key_layout reads
@@ -196,6 +210,7 @@ def test_the_model_id_switch_names_one_checkpoint_under_two_paths(activate, monk
 
 
 # ------------------------------------------------------------------------------ pipeline stages
+@pytest.mark.pairs(*BASE)
 def test_pipeline_parallel_is_refused_at_startup(activate):
     """PP = 2 with the layerwise MemCache pool: vLLM's start-up stops with the reason."""
     activate()
@@ -204,6 +219,7 @@ def test_pipeline_parallel_is_refused_at_startup(activate):
     assert "stage" in str(info.value) and "--pipeline-parallel-size 1" in str(info.value)
 
 
+@pytest.mark.pairs(*BASE)
 def test_without_the_group_two_stages_write_the_same_keys(activate):
     """Control: with pool_key_layout off, the PP = 2 instance starts, and the worker halves of its
     two stages build the same key for the same block (stage 1 overwrites / reads stage 0's layers)."""
@@ -217,6 +233,35 @@ def test_without_the_group_two_stages_write_the_same_keys(activate):
         inst.stage_workers()
 
 
+@pytest.mark.pairs("v0300")
+def test_030_keys_name_the_pp_size(activate):
+    """vllm-ascend 0.30.0rc2 names the stage in its keys but not the PP size: stage 0 of PP 2 and
+    stage 0 of PP 4 (other layer ranges in one blob) build the same key without the group. The real
+    builder, as both pool halves bind it (``bind_layerwise_keys``), for one checkpoint at PP 2 and 4."""
+    from types import SimpleNamespace
+
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import memcache_backend
+
+    def key(pp: int, stage: int) -> str:
+        parallel = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=pp)
+        config = SimpleNamespace(parallel_config=parallel, model_config=SimpleNamespace(model="/ckpt/Qwen3-Next", revision=None))
+        builder = memcache_backend.bind_layerwise_keys(  # looked up now: the patched one when applied
+            vllm_config=config, kv_cache_config=None, model_name="Qwen3-Next", use_hybrid=True, grouped_block_size=[16, 16]
+        )
+        return builder.make_full_key(1, "ab", 0, stage)
+
+    for off in (("pool_key_layout",), ()):
+        activate(off=off)
+        keys = {(pp, stage): key(pp, stage) for pp in (2, 4) for stage in range(2)}
+        print(f"\n{off or 'nothing'} off: {keys}")
+        assert keys[(2, 0)] != keys[(2, 1)]  # upstream names the stage either way
+        if off:
+            assert keys[(2, 0)] == keys[(4, 0)] and keys[(2, 1)] == keys[(4, 1)]  # PP 2 and PP 4 share keys
+        else:
+            assert len(set(keys.values())) == 4
+            assert all(keys[(pp, s)].split("@")[0].endswith(f".tp2.pp{pp}") for pp, s in keys)  # the namespace
+
+
 # ------------------------------------------------------------------------ evictions, GVA cache
 @pytest.mark.parametrize("how", ["evicted", "failed"])
 def test_a_lost_prefix_is_saved_again(activate, how):
@@ -225,8 +270,8 @@ def test_a_lost_prefix_is_saved_again(activate, how):
     group, vllm-ascend 0.25.1rc1's GVA cache still lists the keys: nothing is saved and B misses for
     the worker's lifetime (0.26.0rc1 refreshes its cache itself: it recovers there without the
     group; a failed save copy stops its engine, so "failed" runs on 0.25 only)."""
-    if how == "failed" and PAIR == "v0260":
-        pytest.skip("vllm-ascend 0.26.0rc1 stops the engine at a failed save copy (no failed finish to refresh from)")
+    if how == "failed" and PAIR in ("v0260", "v0300"):
+        pytest.skip(f"vllm-ascend on {PAIR} stops the engine at a failed save copy (no failed finish to refresh from)")
     from byte_store import L2G
 
     for off in ((), ("pool_key_layout",)):

@@ -71,9 +71,11 @@ def test_pool_written_by_older_release_is_read_right_by_030(tmp_path, writer):
     rows = {}
     reg = ascend_layerwise_patch.REGISTRY
     try:
-        for reader in ("pool_key_tp off", "library on"):
+        for reader in ("key groups off", "library on"):
             reg.revert()
-            reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": "pool_key_tp"} if "off" in reader else None)
+            # pool_key_layout too: its 0.30 member names the layout in every key
+            key_groups = "pool_key_tp,pool_key_layout"
+            reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": key_groups} if "off" in reader else None)
             for lib in ("off", "on"):
                 pool = byte_store.load(f"{out}.{lib}")
                 inst = PoolInstance(pool, name=f"reader-{lib}", model_dir=model_dir)
@@ -88,6 +90,6 @@ def test_pool_written_by_older_release_is_read_right_by_030(tmp_path, writer):
     for name, row in rows.items():
         print(f"  {name}: {row}")
     assert all(wrong == 0 for wrong, _reads, _loaded in rows.values()), rows
-    assert rows[f"{old} library off -> 0.30 pool_key_tp off"][2] > 0  # same key shape: hit taken, read right
+    assert rows[f"{old} library off -> 0.30 key groups off"][2] > 0  # same key shape: hit taken, read right
     assert rows[f"{old} library off -> 0.30 library on"][2] == 0  # keys naming the TP size: the old ones miss
-    assert rows[f"{old} library on -> 0.30 library on"][2] == rows[f"{old} library on -> 0.30 pool_key_tp off"][2] == 0
+    assert rows[f"{old} library on -> 0.30 library on"][2] == rows[f"{old} library on -> 0.30 key groups off"][2] == 0

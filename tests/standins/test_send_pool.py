@@ -27,6 +27,7 @@ if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 from harness_pool import PoolInstance, engine_loop, make_pool, setup_runtime  # noqa: E402
+from harness_pool.lifetime import ready_with_a_gap  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -142,15 +143,7 @@ def _gdn_group(inst: PoolInstance) -> int:
 
 def _gaps(pool, inst: PoolInstance) -> list[str]:
     """Ready keys with a layer slot that no successful copy wrote before the key was finished."""
-    gaps = []
-    for key in pool.ready_keys():
-        blob = pool.blobs[key]
-        layers = len(inst.kv_cache_config.kv_cache_groups[int(key.split("@")[1])].layer_names)
-        size = len(blob.data)
-        before = {off * layers // size for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at}
-        if before != set(range(layers)):
-            gaps.append(key)
-    return gaps
+    return ready_with_a_gap(pool, inst)
 
 
 def _faulty_save(kind: str, tp: int):

@@ -65,6 +65,8 @@ from .._checks import expects as _expects
 from .._checks import source as _source
 from . import send_integrity as _integrity
 from . import send_shedding as _shedding
+from . import v030 as _v030
+from .._ranges import V029_030
 from ._group import GROUP
 from ._group import RISK as RISK  # the group's risk line, read by tests
 
@@ -310,5 +312,25 @@ SPECS = (
         make_touch,
         precondition=_scheduler_ok,
         **_LIFETIME,
+    ),
+    # vllm-ascend 0.30.0rc2 (v030.py): its own fix, vouched; and the stuck-send warning it lacks
+    GROUP.vouched(
+        "mamba_lifetime_030",
+        _v030.WAIT,
+        _v030.sends_end_with_their_step,
+        ranges=V029_030,
+        what="vllm-ascend 0.30.0rc2's end-of-step wait for every layerwise save copy (with "
+        "VLLM_ASCEND_LW_DEFER_LAST_SAVE unset) and its untouched layerwise blocks",
+    ),
+    GROUP.spec(
+        "send_stuck_030",
+        _v030.WAIT,
+        _v030.make_wait,
+        ranges=V029_030,
+        precondition=_v030.wait_ok,
+        fixed_upstream=_v030.warns_itself,
+        after=("mamba_lifetime_030",),
+        why="a layerwise send that holds the step's last-layer wait is warned about and counted (0.30 waits silently)",
+        risk="a stuck layerwise send holds the engine without a WARNING or a /metrics figure",
     ),
 )

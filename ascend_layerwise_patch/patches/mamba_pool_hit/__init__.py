@@ -393,10 +393,26 @@ SPECS = (
 #: of its range and copied each intermediate chunk-end mamba state that exists into the null block
 #: (load cost; the null block is shared). There the null blocks of a hit are neither looked up,
 #: leased nor loaded.
+def _resume_load_fixed_030(original) -> str | None:
+    """vllm-ascend 0.30.0rc2 loads a hit's blocks through the coordinator's reachable-load masks (the
+    mamba groups' intermediate states are not in them) and skips null blocks of align-state groups."""
+    worker_cls = original.__globals__.get("KVPoolWorker")
+    prepare = source(getattr(worker_cls, "_prepare_load_gvas", None)) if worker_cls is not None else ""
+    if "_compute_reachable_load_masks" in prepare and "skip_null_blocks_by_group" in source(worker_cls):
+        return "vllm-ascend's layerwise load takes only the blocks the hit reaches (reachable-load masks; null blocks skipped)"
+    return None
+
+
 RESUME_LOAD_GROUP = Group(
     "mamba_pool_resume_load",
-    V025,  # 0.26.0rc1: mamba_pool_null_loads does the same
+    V025,
     risk="every intermediate mamba state of a pool hit is copied into the null block (load cost, shared null block)",
+    # vllm-ascend 0.30.0rc2: tests/standins/test_gdn_prefix_hits.py::test_030_a_pool_hit_loads_only_the_state_it_resumes_from
+    # runs the scenario there with the library off (one GDN-group key read of four)
+    ported_to=(
+        (ASCEND_026, "member mamba_pool_null_loads of group mamba_pool_hit (the same wrapper)"),
+        (V029_030, "member mamba_pool_resume_load_030 (vllm-ascend loads only the blocks a hit reaches)"),
+    ),
 )
 RESUME_LOAD_SPECS = (
     RESUME_LOAD_GROUP.spec(
@@ -410,5 +426,12 @@ RESUME_LOAD_SPECS = (
         precondition=_loads_precondition,
         fixed_upstream=_loads_fixed,
         after=("mamba_pool_null_loads",),  # its 0.26 twin (same factory); only one is in range on a pair
+    ),
+    RESUME_LOAD_GROUP.vouched(
+        "mamba_pool_resume_load_030",
+        f"{POOL}.pool_worker:KVPoolWorker._compute_reachable_load_masks",
+        _resume_load_fixed_030,
+        ranges=V029_030,
+        what="vllm-ascend 0.30.0rc2's reachable-load masks for a layerwise pool hit",
     ),
 )

@@ -50,6 +50,19 @@ Cost     The first pool of an upgraded fleet is cold once: nothing written befor
          read (it ages out of MemCache).
 Removal  When vllm-ascend's layerwise keys name the TP size and the stage (detected by calling
          ``_make_layerwise_gva_key`` on two probes that differ only in them: the group skips).
+vllm-ascend 0.30.0rc2 (vLLM 0.29 / 0.30; members ``pool_layout_keys_030``, ``pool_gva_cache_030``)
+         Its layerwise keys are built by the MemCache protocol's ``bind_layerwise_keys`` (bound once by
+         the pool scheduler, once by each pool worker) from ``model_name`` = the checkpoint's last path
+         component: ``<name>@<group>[@pp<stage>]@<hash>@<rank>``. It names the stage itself now (and
+         its workers look layers up stage-locally), so PP > 1 is served, not refused; but not the PP
+         size (stage 0 of PP 2 and of PP 4 build the same key and hold other layer ranges), not the
+         checkpoint (two folders of one name share every key: tests/standins/test_pool_key_layout.py
+         on v0300, library off: B loads A's 3 keys) and not a format. ``pool_layout_keys_030`` binds
+         the builder with :func:`namespace` (``stage=None``: upstream names it) as ``model_name``;
+         ``pool_key_tp`` (its own group) adds the TP size to the rank field of the same builder.
+         0.30 refreshes evicted keys itself (``_refresh_allocated_gvas``), but its ``_allocated_gvas``
+         still grows by a key per saved block and group for the worker's lifetime:
+         ``pool_gva_cache_030`` keeps the bound after each step's ``process_layer_data``.
 """
 
 from __future__ import annotations
@@ -62,7 +75,7 @@ import os
 from types import SimpleNamespace
 
 from .._checks import Group
-from .._ranges import V025_026
+from .._ranges import V025_026, V029_030
 from .._targets import STORE
 from .._checks import expects, source
 
@@ -73,13 +86,14 @@ GVA_CACHE_MAX = 65536
 RISK = "layerwise pool keys name no TP size, stage or checkpoint: another layout's bytes are read as a hit"
 
 
-def namespace(model, revision, *, tp: int, pp: int, stage: int, pcp: int = 1, dcp: int = 1, model_id=None) -> str:
-    """The ``model_name`` of every layerwise key of this layout (no ``@``: keys are split on it)."""
+def namespace(model, revision, *, tp: int, pp: int, stage: int | None, pcp: int = 1, dcp: int = 1, model_id=None) -> str:
+    """The ``model_name`` of every layerwise key of this layout (no ``@``: keys are split on it);
+    ``stage=None`` where upstream's key names the stage itself (vllm-ascend 0.30)."""
     ident = model_id if model_id else f"{model}\0{revision or ''}"
     digest = hashlib.sha256(str(ident).encode()).hexdigest()[:12]
     named = str(model_id) if model_id else str(model)
     name = next((part for part in reversed(named.split("/")) if part), "model").replace("@", "_")
-    layout = f"tp{tp}.pp{pp}s{stage}" + (f".cp{pcp}x{dcp}" if pcp * dcp > 1 else "")
+    layout = f"tp{tp}.pp{pp}" + ("" if stage is None else f"s{stage}") + (f".cp{pcp}x{dcp}" if pcp * dcp > 1 else "")
     return f"alp{FORMAT}.{name}.{digest}.{layout}"
 
 
@@ -159,6 +173,14 @@ def _refreshes_itself(worker_cls) -> bool:
     return any("batch_is_exist" in getattr(getattr(f, "__code__", None), "co_names", ()) for f in callees)
 
 
+def _trim(cache: dict, limit: int) -> None:
+    """Keep the newest ``limit`` keys of the worker's GVA map (insertion order: oldest out first)."""
+    excess = len(cache) - limit
+    if excess > 0:
+        for key in [k for _, k in zip(range(excess), iter(cache))]:
+            cache.pop(key, None)
+
+
 def make_process_layer_data(original):
     worker_cls = original.__globals__["KVPoolWorker"]
     helpers = (original.__globals__["get_block_hashes"], original.__globals__["block_hash_to_str"])
@@ -175,11 +197,46 @@ def make_process_layer_data(original):
                     if state != 1:  # evicted, or finished as failed: save it again
                         self._allocated_gvas.pop(key, None)
         original(self, requests)
-        cache = self._allocated_gvas
-        excess = len(cache) - limit
-        if excess > 0:
-            for key in [k for _, k in zip(range(excess), iter(cache))]:
-                cache.pop(key, None)
+        _trim(self._allocated_gvas, limit)
+
+    return process_layer_data
+
+
+# ------------------------------------------------------------------------ vllm-ascend 0.30.0rc2
+def make_bind_030(original):
+    """``bind_layerwise_keys`` bound with this layout's :func:`namespace` as ``model_name``."""
+
+    @functools.wraps(original)
+    def bind_layerwise_keys(*, vllm_config, kv_cache_config, model_name, use_hybrid, grouped_block_size):
+        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+        name = namespace(
+            model_config.model,
+            getattr(model_config, "revision", None),
+            tp=parallel.tensor_parallel_size,
+            pp=parallel.pipeline_parallel_size,
+            stage=None,  # upstream's key names the stage (@pp<stage>)
+            pcp=getattr(parallel, "prefill_context_parallel_size", 1),
+            dcp=getattr(parallel, "decode_context_parallel_size", 1),
+            model_id=os.environ.get(ENV_MODEL_ID),
+        )
+        return original(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            model_name=name,
+            use_hybrid=use_hybrid,
+            grouped_block_size=grouped_block_size,
+        )
+
+    return bind_layerwise_keys
+
+
+def make_process_layer_data_030(original):
+    limit = gva_cache_max()  # read once, when the patch is installed
+
+    @functools.wraps(original)
+    def process_layer_data(self, requests):
+        original(self, requests)
+        _trim(self._allocated_gvas, limit)
 
     return process_layer_data
 
@@ -205,6 +262,52 @@ def _fixed_upstream(_original) -> str | None:
     other_stage = _probe_key(worker_cls, pp_size=2, pp_rank=1)
     if base is not None and base != other_tp and base != other_stage and None not in (other_tp, other_stage):
         return "vllm-ascend's layerwise keys already name the TP size and the pipeline stage"
+    return None
+
+
+BIND_030 = f"{STORE}.backend.memcache_backend:bind_layerwise_keys"
+_BIND_PARAMS = ["vllm_config", "kv_cache_config", "model_name", "use_hybrid", "grouped_block_size"]
+
+
+def _bind_probe(original, *, model: str, pp: int) -> str:
+    """The key the real builder makes for one block of group 1, stage 0, bound for this layout."""
+    parallel = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=pp)
+    config = SimpleNamespace(parallel_config=parallel, model_config=SimpleNamespace(model=model, revision=None))
+    builder = original(
+        vllm_config=config, kv_cache_config=None, model_name=model.rsplit("/", 1)[-1], use_hybrid=True, grouped_block_size=[16, 16]
+    )
+    return builder.make_full_key(1, "ab", 0, 0)
+
+
+def _bind_030_ok(original) -> str | None:
+    if list(inspect.signature(original).parameters) != _BIND_PARAMS:
+        return f"bind_layerwise_keys parameters are {list(inspect.signature(original).parameters)}, expected {_BIND_PARAMS}"
+    try:
+        _bind_probe(original, model="/a/m", pp=1)
+    except Exception as exc:  # noqa: BLE001 - any failure is drift
+        return f"bind_layerwise_keys no longer binds a probe configuration ({exc!r})"
+    return None
+
+
+def _bind_030_fixed(original) -> str | None:
+    try:  # two checkpoints in folders of one name, and two PP sizes: four layouts, four keys
+        keys = {_bind_probe(original, model=m, pp=pp) for m in ("/a/m", "/b/m") for pp in (2, 4)}
+    except Exception:  # noqa: BLE001 - the precondition reports it
+        return None
+    if len(keys) == 4:
+        return "vllm-ascend's layerwise keys already name the checkpoint and the PP size"
+    return None
+
+
+_PROCESS_030_EXPECTS = expects(["self", "requests"], globals_=("KVPoolWorker",))
+
+
+def _process_030_ok(original) -> str | None:
+    problem = _PROCESS_030_EXPECTS(original)
+    if problem:
+        return problem
+    if "self._allocated_gvas[" not in source(original.__globals__["KVPoolWorker"]):
+        return "KVPoolWorker no longer keeps saved keys in _allocated_gvas"
     return None
 
 
@@ -248,9 +351,14 @@ def _process_ok(original) -> str | None:
     return None
 
 
-# vllm-ascend 0.30 (issue 25) reworked this group's targets (the layerwise pool's hit check, keys and
-# sending thread); not declared for it: out of range there, see the README's version table
-GROUP = Group("pool_key_layout", V025_026, risk=RISK, fixed_upstream=_fixed_upstream)
+GROUP = Group(
+    "pool_key_layout",
+    V025_026,
+    risk=RISK,
+    fixed_upstream=_fixed_upstream,
+    # vllm-ascend 0.30.0rc2 reworked the targets: the 0.30 members carry the same fix there
+    ported_to=((V029_030, "pool_layout_keys_030 with pool_gva_cache_030 (0.30's key builder and GVA map)"),),
+)
 
 
 SPECS = (
@@ -274,5 +382,24 @@ SPECS = (
         make_process_layer_data,
         precondition=_process_ok,
         why="keys MemCache evicted or failed are saved again (0.26 checks itself), and the worker's GVA map stays bounded",
+    ),
+    GROUP.spec(
+        "pool_layout_keys_030",
+        BIND_030,
+        make_bind_030,
+        ranges=V029_030,
+        precondition=_bind_030_ok,
+        fixed_upstream=_bind_030_fixed,
+        why="0.30's layerwise pool keys name format, checkpoint and PP size (it names the stage; pool_key_tp the TP size)",
+    ),
+    GROUP.spec(
+        "pool_gva_cache_030",
+        f"{STORE}.pool_worker:KVPoolWorker.process_layer_data",
+        make_process_layer_data_030,
+        ranges=V029_030,
+        precondition=_process_030_ok,
+        fixed_upstream=None,  # the group's detector probes 0.25/0.26's key method
+        after=("pool_gva_cache",),  # its 0.25/0.26 twin; never both in range
+        why="0.30's worker GVA map stays bounded (it refreshes evicted keys itself)",
     ),
 )

@@ -104,5 +104,6 @@ SPECS = (
         precondition=_precondition,
         fixed_upstream=_fixed_upstream,
         risk="instances of different TP sizes sharing a pool load each other's GDN slices",
+        after=("pool_layout_keys_030",),  # pool_key_layout's 0.30 member binds the builder with its namespace
     ),
 )

@@ -17,7 +17,7 @@ from . import timing
 from .engine import engine_loop
 from .instance import PoolInstance
 from .rank import _Rank
-from .runtime import make_pool
+from .runtime import _placements, make_pool
 
 
 ATTN, MAMBA = "attn", "mamba"  # BlockOwners.ever's keys: full-attention and mamba (GDN) groups
@@ -36,7 +36,48 @@ class BadRead:
 
 
 def _cache_regions(rank: _Rank, num_blocks: int) -> tuple[int, list[tuple[int, int, int]]]:
-    return _os.getpid(), [(raw.data_ptr(), raw.numel(), raw.numel() // num_blocks) for raw in rank._raw]
+    """(pid, [(address of block 0, bytes, block stride)]) of the rank's cache memory: one page per
+    raw tensor where the groups share it (vLLM <= 0.29); vLLM 0.30 places the layers of a tensor one
+    after another (``offset + l * layer_stride``, their own ``block_stride``): one region per layer."""
+    tensors = rank.kv_cache_config.kv_cache_tensors
+    if all(hasattr(t, "shared_by") for t in tensors):
+        return _os.getpid(), [(raw.data_ptr(), raw.numel(), raw.numel() // num_blocks) for raw in rank._raw]
+    regions = [
+        (raw.data_ptr() + start, num_blocks * stride, stride)
+        for raw, tensor in zip(rank._raw, tensors)
+        for _name, start, stride in _placements(tensor, rank.inst.specs)
+    ]
+    return _os.getpid(), regions
+
+
+def slot_of(inst: PoolInstance, key: str, offset: int, size: int) -> int:
+    """The layer slot (index of the layer in its group) a write at ``offset`` of a layerwise key of
+    ``size`` bytes lands in: vllm-ascend <= 0.26 sizes a key for its group's layers; 0.30 for every
+    physical layer (``_global_group_alloc_size``), the group's layer l at slot l."""
+    if KEYS_SIZED_FOR_EVERY_LAYER:
+        return offset * len(inst.layer_order) // size
+    return offset * len(inst.kv_cache_config.kv_cache_groups[int(key.split("@")[1])].layer_names) // size
+
+
+def ready_with_a_gap(pool, inst: PoolInstance) -> list[str]:
+    """The pool's ready keys with a layer slot that no successful copy wrote before the key was finished."""
+    gaps = []
+    for key in pool.ready_keys():
+        blob = pool.blobs[key]
+        layers = len(inst.kv_cache_config.kv_cache_groups[int(key.split("@")[1])].layer_names)
+        written = {slot_of(inst, key, off, len(blob.data)) for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at}
+        if not set(range(layers)) <= written:
+            gaps.append(key)
+    return gaps
+
+
+def _keys_sized_for_every_layer() -> bool:
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_worker
+
+    return hasattr(pool_worker.KVPoolWorker, "_global_group_alloc_size")
+
+
+KEYS_SIZED_FOR_EVERY_LAYER = _keys_sized_for_every_layer()
 
 
 #: a sending thread whose backlog has not moved this long, nothing queued, is quiet (a request that
@@ -169,8 +210,7 @@ def layer_slot_fault(inst: PoolInstance, layers) -> Callable:
     wanted = {(inst.group_of[inst.layer_order[i]], groups[inst.group_of[inst.layer_order[i]]].layer_names.index(inst.layer_order[i])) for i in layers}
 
     def at(key: str, offset: int, size: int) -> bool:
-        g = int(key.split("@")[1])
-        return (g, offset * len(groups[g].layer_names) // size) in wanted
+        return (int(key.split("@")[1]), slot_of(inst, key, offset, size)) in wanted
 
     return at
 
@@ -325,7 +365,8 @@ class Lifetime:
                 if blob.state != "ready":
                     continue
                 n, size = len(groups[int(key.split("@")[1])].layer_names), len(blob.data)
-                if {off * n // size for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at} != set(range(n)):
+                written = {slot_of(self.inst, key, off, size) for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at}
+                if not set(range(n)) <= written:
                     gaps.append(key)
         return gaps
 
@@ -340,7 +381,9 @@ class Lifetime:
             return [k for k in self.new_keys() if self.pool.blobs[k].state == "writing"]
 
 
-def make_lifetime(*, tp: int = 1, num_blocks: int = 16, chunk: int = 8, seed_skip_touch: bool = False) -> Lifetime:
+def make_lifetime(
+    *, tp: int = 1, num_blocks: int = 16, chunk: int = 8, seed_skip_touch: bool = False, max_model_len: int | None = None
+) -> Lifetime:
     """A :class:`Lifetime` on a fresh pool and instance shaped for block-lifetime workloads: 4-token
     blocks (prompts of 4-24 tokens span 1-6 blocks), ``num_blocks`` in the KV cache (small: freed
     blocks are soon handed out again), ``chunk`` prefill tokens per request and step, kv_producer
@@ -354,8 +397,9 @@ def make_lifetime(*, tp: int = 1, num_blocks: int = 16, chunk: int = 8, seed_ski
         kv_role="kv_producer",
         max_num_batched_tokens=64,
         long_prefill_token_threshold=chunk,
-        # as long as the cache allows (vLLM checks it); 128 as test_send_pool's instances (one model config)
-        max_model_len=24 if num_blocks < 10 else 28 if num_blocks < 48 else 128,
+        # as long as the cache allows (vLLM checks it; 0.30 allows 20 on 8 blocks); 128 as test_send_pool's
+        # instances (one model config)
+        max_model_len=max_model_len or (24 if num_blocks < 10 else 28 if num_blocks < 48 else 128),
     )
     inst.scale_save_wait()
     return Lifetime(inst, seed_skip_touch=seed_skip_touch)
