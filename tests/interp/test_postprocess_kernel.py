@@ -547,3 +547,119 @@ def test_v2_race(path, dim_first, request):
     with conv_layout(dim_first):
         out = run_v2(vllm_context(cache, max_reqs=3), step)
     assert_same(cache, expected_pages, out, expected_out)
+
+
+# ----------------------------------------------------------------------------- vLLM 0.30 + vllm-ascend 0.30.0rc2
+# Both members are skipped there as fixed upstream: vllm-ascend's kernel takes vLLM 0.30's 24 parameters
+# (the 24th, TEMPORAL_TILES, a constexpr with a default) and vLLM's V2 caller reads a snapshot. These run
+# the defects' scenarios with the library reverted: vLLM's own callers launching vllm-ascend's own kernel.
+
+VOUCH_030 = "a vouch: vllm-ascend 0.30's own kernel and vLLM 0.30's callers, run with the library reverted in the test"
+
+ASCEND_030_PROBE = """
+from ascend_layerwise_patch import cpu_standins; cpu_standins.install()
+import inspect, json
+import vllm_ascend.patch.worker.patch_mamba_utils  # as NPUWorker's patch import does (vllm_ascend.patch.worker)
+from vllm.v1.worker import mamba_utils
+kernel = mamba_utils.postprocess_mamba_fused_kernel
+v2 = mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align
+fn = getattr(kernel, "fn", kernel)  # a plain function where vLLM's triton_utils finds no Triton driver
+print(json.dumps(dict(module=fn.__module__, file=inspect.getsourcefile(fn), tiles=mamba_utils._TEMPORAL_TILES,
+                      v2=v2.__module__, tagged=[hasattr(o, "__ascend_layerwise_patch__") for o in (kernel, v2)])))
+"""
+
+
+@pytest.fixture(scope="module")
+def ascend_030():
+    """vLLM's mamba_utils as vllm-ascend 0.30.0rc2's worker patch leaves it, the library reverted.
+
+    Where that patch puts the kernel (and ``_TEMPORAL_TILES``) is read in a child with the NPU
+    runtime stood in (vllm_ascend.ops imports torch_npu; the stand-ins break real Triton here);
+    the same kernel file is then loaded and installed in this process."""
+    import importlib.util
+    import json
+
+    import ascend_layerwise_patch as alp
+    from support import run_python
+    from vllm.v1.worker import mamba_utils
+
+    found = json.loads(run_python(ASCEND_030_PROBE, env={"ASCEND_LAYERWISE_PATCH": "0"}).stdout.splitlines()[-1])
+    assert found["module"] == "vllm_ascend.ops.triton.mamba.postprocess" and found["tiles"] == 1, found
+    assert found["v2"] == "vllm.v1.worker.mamba_utils" and found["tagged"] == [False, False], found
+    spec = importlib.util.spec_from_file_location(found["module"], found["file"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = module.postprocess_mamba_fused_kernel
+    assert "InterpretedFunction" in type(kernel).__name__  # vllm-ascend's Triton code, run here
+    alp.REGISTRY.revert()
+    saved = (mamba_utils.postprocess_mamba_fused_kernel, mamba_utils._TEMPORAL_TILES)
+    mamba_utils.postprocess_mamba_fused_kernel, mamba_utils._TEMPORAL_TILES = kernel, found["tiles"]
+    try:
+        caller = mamba_utils.MambaSpecDecodeGPUContext.run_fused_postprocess_align
+        assert not hasattr(caller, "__ascend_layerwise_patch__") and not isinstance(kernel, PostprocessKernel)
+        # what the group's detectors see: the cells these tests back
+        assert "24 parameters" in patch._ascend_has_new_signature(kernel)
+        assert patch._v2_caller_passes_out(caller) is not None
+        yield mamba_utils
+    finally:
+        mamba_utils.postprocess_mamba_fused_kernel, mamba_utils._TEMPORAL_TILES = saved
+        alp.REGISTRY.activate()
+
+
+def vllm030_context(cache: Cache, max_reqs: int):
+    """vLLM 0.30's MambaSpecDecodeGPUContext over this cache (copy functions now given by mamba type)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.utils import CpuGpuBuffer
+    from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
+
+    lo = cache.layout
+    conv, temporal = next(iter(cache.states.values()))
+    spec = MambaSpec(
+        block_size=lo.block_size,
+        shapes=(tuple(conv.shape[1:]), tuple(temporal.shape[1:])),
+        dtypes=(lo.conv_dtype, lo.temporal_dtype),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+        num_speculative_blocks=lo.spec,
+    )
+    groups = [KVCacheGroupSpec(names, spec) for names in cache.layer_names]
+    config = KVCacheConfig(num_blocks=conv.shape[0], kv_cache_tensors=[], kv_cache_groups=groups)
+    copy_funcs = {spec.mamba_type: (get_conv_copy_spec, get_temporal_copy_spec)}
+    make_buffer = lambda n, dtype: CpuGpuBuffer(n, dtype=dtype, device="cpu", pin_memory=False)  # noqa: E731
+    ctx = MambaSpecDecodeGPUContext.create(max_reqs, config, copy_funcs, torch.device("cpu"), make_buffer)
+    forward_context = {name: SimpleNamespace(kv_cache=list(states)) for name, states in cache.states.items()}
+    ctx.initialize_from_forward_context(config, forward_context, copy_funcs, cache.tables)
+    return ctx
+
+
+@pytest.mark.pairs("v0300")
+@pytest.mark.control(VOUCH_030)
+@given(layout=vllm_layouts, n_rows=st.integers(1, 5), v2=st.booleans(), data=st.data())
+@settings(SETTINGS, max_examples=40)
+def test_030_vllm_callers_with_ascend_kernel(ascend_030, layout, n_rows, v2, data):
+    """vLLM 0.30's V1 ``run_fused_postprocess`` and V2 ``run_fused_postprocess_align`` launch
+    vllm-ascend 0.30's kernel (24 parameters, one temporal tile): it launches, and pages and
+    accepted counts are the reference's (V2: rows in any slot order, skipped rows)."""
+    step = data.draw(steps(layout, n_rows, v2))
+    cache = make_cache(layout, n_rows, cols_needed(layout), seed=n_rows)
+    expected_pages, expected_out = reference(cache, step)
+    with conv_layout(layout.dim_first):
+        ctx = vllm030_context(cache, max_reqs=len(step.accepted))  # V2 snapshots the whole buffer
+        out = run_v2(ctx, step) if v2 else run_v1(ctx, step)
+    assert_same(cache, expected_pages, out, expected_out)
+
+
+@pytest.mark.pairs("v0300")
+@pytest.mark.control(VOUCH_030)
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_030_v2_race_case_is_clean(ascend_030, dim_first):
+    """vLLM 0.25's V2 race (test_v2_race: the state-0 program resets accepted to 1 before the
+    request's other programs read it) through vLLM 0.30's V2 caller: every layer copied."""
+    cache, step = race_case(dim_first)
+    expected_pages, expected_out = reference(cache, step)
+    assert expected_out.tolist() == [1, 1, 1]
+    with conv_layout(dim_first):
+        out = run_v2(vllm030_context(cache, max_reqs=3), step)
+    assert_same(cache, expected_pages, out, expected_out)

@@ -138,7 +138,7 @@ def test_check_json_records_every_place_with_its_state():
         assert swapped == []
         from ascend_layerwise_patch.patches import connector_guards, gdn_layerwise, mamba_lifetime
 
-        widened = [s.name for m in (connector_guards, gdn_layerwise, mamba_lifetime) for s in m.SPECS]
+        widened = [s.name for m in (connector_guards, gdn_layerwise, mamba_lifetime) for s in m.SPECS if not s.name.endswith("_030")]
         assert {states[n] for n in [*widened, "postprocess_v2_out_buffer"]} == {"applied"}, states
         # issue 15: the pool-correctness groups where their defects persist on 0.26
         from ascend_layerwise_patch.patches import (

@@ -47,18 +47,7 @@ def plumbing():
 
 def one_step(modules, connector, config, set_forward_context, layers=4):
     """Every layer of a step, through every copy: wait (where the module has it), then save."""
-    connector.calls.clear()
-    connector.start_load_kv(None)
-    attn_metadata = {f"model.layers.{i}": object() for i in range(layers)}
-    with set_forward_context(attn_metadata, config):
-        for i in range(layers):
-            for module_name, names in COPIES.items():
-                module = modules[module_name]
-                layer = f"model.layers.{i}@{module_name}"
-                if "wait_for_kv_layer_from_connector" in names:
-                    module.wait_for_kv_layer_from_connector(layer)
-                module.maybe_save_kv_layer_to_connector(layer, [])
-    return list(connector.calls)
+    return _one_step_of(COPIES, modules, connector, config, set_forward_context, layers)
 
 
 def test_every_copy_is_the_guarded_helper(plumbing):
@@ -124,3 +113,50 @@ def test_without_the_patch_the_dummy_step_moves_the_counter(plumbing):
     finally:
         alp.activate()
     assert connector.current_layer == len(calls) > 0
+
+
+@pytest.mark.pairs("v0300")
+@pytest.mark.control("a vouch: vllm-ascend 0.30's own guards, run with the library reverted in the test")
+def test_030_upstream_helpers_skip_a_step_without_metadata():
+    """guard_wait / guard_save are fixed upstream on vllm-ascend 0.30.0rc2 (both helpers check
+    ``has_connector_metadata()``): with the library reverted, a dummy step (no metadata bound) makes no
+    connector call and leaves the layer counter at 0; a real step reaches the connector."""
+    importlib.import_module("vllm_ascend.ops")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.forward_context import set_forward_context
+
+    import counting_connector
+
+    alp.REGISTRY.revert()
+    modules = {"vllm_ascend.attention.utils": importlib.import_module("vllm_ascend.attention.utils")}
+    for module in modules.values():
+        for name in COPIES["vllm_ascend.attention.utils"]:
+            assert not hasattr(getattr(module, name), "__ascend_layerwise_patch__")
+    connector, config, restore = counting_connector.install()
+    try:
+        copies = {"vllm_ascend.attention.utils": COPIES["vllm_ascend.attention.utils"]}
+        connector.clear_connector_metadata()
+        assert not connector.has_connector_metadata()
+        calls = _one_step_of(copies, modules, connector, config, set_forward_context)
+        assert calls == [] and connector.current_layer == 0
+        connector.bind_connector_metadata(KVConnectorMetadata())
+        calls = _one_step_of(copies, modules, connector, config, set_forward_context)
+        assert len(calls) == 2 * 4  # a wait and a save per layer
+    finally:
+        restore()
+        alp.REGISTRY.activate()
+
+
+def _one_step_of(copies, modules, connector, config, set_forward_context, layers=4):
+    """Every layer of a step, through the ``copies`` given: wait (where the module has it), then save."""
+    connector.calls.clear()
+    connector.start_load_kv(None)
+    attn_metadata = {f"model.layers.{i}": object() for i in range(layers)}
+    with set_forward_context(attn_metadata, config):
+        for i in range(layers):
+            for module_name, names in copies.items():
+                layer = f"model.layers.{i}@{module_name}"
+                if "wait_for_kv_layer_from_connector" in names:
+                    modules[module_name].wait_for_kv_layer_from_connector(layer)
+                modules[module_name].maybe_save_kv_layer_to_connector(layer, [])
+    return list(connector.calls)

@@ -371,20 +371,12 @@ def test_030_a_pool_hit_loads_only_the_state_it_resumes_from(library_off):
     of a hit's range into the null block (``mamba_pool_resume_load`` fixes it there). 0.30.0rc2, library
     off: A prefills 16 blocks + 5 tokens in 4-block chunks (GDN states saved at 64, 128, 192, 256), B
     hits all 16 blocks and reads one GDN-group key (the state at 256), right."""
-    from byte_store import G2L
+    from harness_pool import hit_after_chunked_prefill
 
-    prompt = list(range(8000, 8000 + 16 * 16 + 5))
     pool = make_pool()
-    a = PoolInstance(pool, name="A", max_num_batched_tokens=64, long_prefill_token_threshold=64)
-    a.add_request("a", prompt, max_tokens=1)
-    engine_loop(a)
-    b = PoolInstance(pool, name="B")
+    b, read = hit_after_chunked_prefill(pool)
     group = str(b.group_of[b.gdn_layers[0]])
     gdn_keys = [k for k in pool.ready_keys() if k.split("@")[1] == group]
-    pool.key_bytes[G2L].clear()
-    b.add_request("b", prompt[:256] + [1, 2, 3], max_tokens=1)
-    engine_loop(b)
-    read = {k: n for k, n in pool.key_bytes[G2L].items() if k.split("@")[1] == group}
     print(f"\nlibrary off: {len(gdn_keys)} GDN-group keys in the pool, B read {len(read)} ({sum(read.values())} bytes)")
     assert len(gdn_keys) == 4 and len(read) == 1
     assert b.reads_of("b")[0].expected == 256  # resumed from the pool at the 16th block

@@ -28,7 +28,7 @@ if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
 from byte_store import G2L  # noqa: E402
-from harness_pool import PoolInstance, differing_tokens, engine_loop, make_pool  # noqa: E402
+from harness_pool import PoolInstance, differing_tokens, engine_loop, hit_after_chunked_prefill, make_pool  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
@@ -82,7 +82,8 @@ def library():
 def test_load_failure_groups_apply(library):
     """The groups' state, on its own (the defect tests run as configured)."""
     library("on")
-    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group in _ALL} == {APPLIED}
+    # the 0.30 members (mamba_pool_resume_load_030) are out of range here
+    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group in _ALL and not st.name.endswith("_030")} == {APPLIED}
 
 
 @pytest.fixture(scope="module")
@@ -437,22 +438,13 @@ def test_async_rollback_in_place_computes_on_wrong_state(library):
 
 # ------------------------------------------------------------------ cost (mamba_pool_resume_load)
 def _mamba_g2l_on_a_16_block_hit(mode: str) -> tuple[dict[str, int], int]:
-    """A prefills 16 blocks + 5 tokens in 4-block chunks (GDN states saved at 64, 128, 192, 256);
-    B hits all 16 blocks. Returns B's G2L bytes per GDN-group key, and the size of one key."""
+    """harness_pool.hit_after_chunked_prefill under ``mode``: B's G2L bytes per GDN-group key, and the
+    size of one key."""
     _set(mode)
-    prompt = list(range(8000, 8000 + 16 * 16 + 5))
     pool = make_pool()
-    a = PoolInstance(pool, name="A", max_num_batched_tokens=64, long_prefill_token_threshold=64)
-    a.add_request("a", prompt, max_tokens=1)
-    engine_loop(a)
-    b = PoolInstance(pool, name="B")
-    group = str(b.group_of[b.gdn_layers[0]])
-    pool.key_bytes[G2L].clear()
-    b.add_request("b", prompt[:256] + [1, 2, 3], max_tokens=1)
-    engine_loop(b)
+    b, read = hit_after_chunked_prefill(pool)
     assert b.wrong_reads() == [] and b.wrong_reads(kind="attn") == []
     assert b.reads_of("b")[0].expected == 256  # resumed from the pool at the 16th block
-    read = {k: n for k, n in pool.key_bytes[G2L].items() if k.split("@")[1] == group}
     return read, max(len(pool.blobs[k].data) for k in read)
 
 

@@ -47,7 +47,8 @@ pytestmark = pytest.mark.pairs(*PAIRS)
 #: what remains (test_unpatched_leaks, test_save_waits_for_a_slow_send).
 SAVE_TIMES_OUT = ("v0251",)
 
-_OUR_NAMES = {s.name for s in mamba_lifetime.SPECS}
+#: the group's members on these pairs (its ``_030`` members are out of range here: test_send_path_030.py)
+_OUR_NAMES = {s.name for s in mamba_lifetime.SPECS if not s.name.endswith("_030")}
 #: KV cache sizes (blocks of 4 tokens) small enough that a freed block is soon handed out again
 RACE_BLOCKS = 8  # a (8 tokens) then b (16): b's second chunk gets blocks a freed
 ATTENTION_RACE_BLOCKS = 10  # a (12 tokens) then b (24)
@@ -275,7 +276,7 @@ def test_group_is_all_or_nothing(unpatched):
     reg = Registry(drifted, host=HOST)
     try:
         reg.activate()
-        states = {st.name: (st.state, st.reason) for st in reg.status()}
+        states = {st.name: (st.state, st.reason) for st in reg.status() if st.name in _OUR_NAMES}
     finally:
         reg.revert()
     assert {state for state, _ in states.values()} == {FAILED}, states
@@ -303,7 +304,7 @@ def test_applies_whichever_module_comes_first():
         reg = Registry(mamba_lifetime.SPECS, host=HOST)
         reg.activate({{}})
         import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker
-        print("RESULT " + json.dumps({{st.name: st.state for st in reg.status()}}))
+        print("RESULT " + json.dumps({{st.name: st.state for st in reg.status() if not st.name.endswith("_030")}}))
         """
     )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]

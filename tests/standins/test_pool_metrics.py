@@ -468,3 +468,27 @@ def test_030_with_the_group_off_a_recovered_load_shows_nothing(library):
     assert _upstream_figures(tap, b) == dict.fromkeys(UPSTREAM_030, 0.0)  # vllm-ascend's own are still there
     assert all(s.kv_connector_stats is None for s in tap.stats) and tap.log_lines() == []
     pool_events.drain()  # what the other groups counted meanwhile
+
+
+@pytest.mark.pairs("v0300")
+def test_030_a_stuck_send_is_counted(library, monkeypatch):
+    """A save copy that takes 1 s holds 0.30's end-of-step wait (the whole engine): ``send_stuck_030``
+    counts one stuck send, which /metrics shows with the step that ends the wait; the age gauge reads 0
+    by then (no scrape can run while the engine is held). TP 1: the watch runs in this process."""
+    from ascend_layerwise_patch.patches.mamba_lifetime import v030 as lifetime_030
+
+    library(True)
+    monkeypatch.setattr(lifetime_030, "STUCK_AFTER_S", 0.12)
+    pool = make_pool()
+    inst = PoolInstance(pool, name="S")
+    tap = StatsTap(inst)
+    fault = pool.add_fault("delay", direction=L2G, delay=lambda: 1.0, times=1)
+    inst.add_request("s", PROMPT, max_tokens=1)
+    engine_loop(inst)
+    got = _figures(tap, inst)
+    lines = tap.log_lines()
+    print(f"\n0.30 stuck send: {got}; {lines}")
+    assert fault.hits == 1
+    assert got == ZERO | {"stuck_sends": 1.0}
+    assert any("stuck_sends=1" in line for line in lines), lines
+    assert _upstream_figures(tap, inst) == dict.fromkeys(UPSTREAM_030, 0.0)

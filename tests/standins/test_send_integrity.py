@@ -39,7 +39,8 @@ pytestmark = pytest.mark.pairs(*PAIRS)
 
 def test_send_integrity_applies(patched):
     """The group's state, on its own (the defect tests run as configured)."""
-    assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == send_integrity.GROUP} == {APPLIED}
+    states = {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == send_integrity.GROUP and not st.name.endswith("_030")}
+    assert states == {APPLIED}  # the group's 0.30 members: test_send_path_030.py
 
 
 @pytest.fixture

@@ -16,13 +16,12 @@ copies returned, so slow copies are delays (a gate would hold the step), not gat
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 import pytest
 
-from support import PAIR
+from support import PAIR, activate_skipping
 
 PAIRS = ("v0300",)
 if PAIR not in PAIRS:
@@ -33,6 +32,7 @@ from harness_pool import SOAK_SCENARIOS, PoolInstance, engine_loop, layer_slot_f
 from harness_pool.lifetime import ready_with_a_gap as _gaps  # noqa: E402
 
 import ascend_layerwise_patch  # noqa: E402
+import ascend_layerwise_patch.patches  # noqa: E402
 from ascend_layerwise_patch.patches.mamba_lifetime import v030  # noqa: E402
 from ascend_layerwise_patch.registry import APPLIED, FAILED, SKIPPED  # noqa: E402
 
@@ -43,18 +43,12 @@ GROUP = "mamba_lifetime"
 
 @pytest.fixture
 def library():
-    """``library(True)``: as configured; ``library(False)``: nothing of ours applied (the scenarios'
-    runs 'with the library off'); ``library(True, group)``: that group skipped."""
+    """``library(True)``: as configured; ``library(False)``: every group skipped, nothing of ours applied
+    (the scenarios' runs 'with the library off'); ``library(True, group)``: that group skipped."""
 
     def set_(on: bool, *skip: str):
-        reg = ascend_layerwise_patch.REGISTRY
-        reg.revert()
-        env = {k: v for k, v in os.environ.items() if k == "ASCEND_LAYERWISE_PATCH" or not k.startswith("ASCEND_LAYERWISE_PATCH")}
-        if not on:
-            env["ASCEND_LAYERWISE_PATCH"] = "0"
-        elif skip:
-            env["ASCEND_LAYERWISE_PATCH_SKIP"] = ",".join(skip)
-        reg.activate(environ=env)
+        groups = skip if on else tuple({spec.group for spec in ascend_layerwise_patch.patches.SPECS})
+        reg = activate_skipping(*groups)
         reg.apply_pending()
         if not on:
             assert [st.name for st in reg.status() if st.state == APPLIED] == []

@@ -5,7 +5,12 @@ Target   vllm.v1.core.sched.async_scheduler.AsyncScheduler.__init__ (vllm-ascend
          the other way, is refused with the layerwise pool (``pool_key_layout``). Not
          ``scheduler.Scheduler``: vllm-ascend 0.25.1rc1 rebinds that name to its BalanceScheduler.
 Versions vLLM >=0.25.0,<0.27; vllm-ascend >=0.25.1,<0.27 (same consumer-only check and same ungated
-         current-layer load in vLLM 0.26.0 / vllm-ascend 0.26.0rc1).
+         current-layer load in vLLM 0.26.0 / vllm-ascend 0.26.0rc1). Member ``async_free_fence_030``: vLLM
+         0.29 / 0.30 with vllm-ascend 0.30.0rc2 -- vLLM still defers for kv_consumer only (its free path
+         asks ``_request_blocks_can_be_freed``, which reads the fence), vllm-ascend 0.30 still gives the
+         current layer's load no gate, and vLLM 0.30's KV cache groups overlay one allocation, so block b
+         of an attention layer can be the bytes of block b of a GDN layer: a pool hit's GDN state loaded
+         into a block an aborted request's in-flight attention write then lands on.
 Why      With overlapping batches (async scheduling, vLLM 0.25's default) a finished or aborted
          request's blocks are freed while the step scheduled before that is known may still be
          writing them. vLLM fences that with ``defer_block_free`` (frees are held until the step
@@ -34,7 +39,7 @@ import types
 
 from ...host import logger
 from .._checks import Group
-from .._ranges import V025_026
+from .._ranges import V025_026, V029_030
 from .._targets import STORE
 from .._checks import source as _source
 
@@ -95,9 +100,16 @@ def _precondition(original) -> str | None:
     cls = importlib.import_module(ASYNC).AsyncScheduler
     readers = {"_free_request_blocks": "last_sched_seq", "update_from_output": "_drain_deferred_frees", "_update_after_schedule": "last_sched_seq"}
     for name, also in readers.items():
-        if not _reads(cls, name, "defer_block_free", also):
+        if not _reads(cls, name, "defer_block_free", also) and not (name == "_free_request_blocks" and _asks_whether_freeable(cls)):
             return f"Scheduler.{name} no longer reads defer_block_free / {also}"
     return None
+
+
+def _asks_whether_freeable(cls) -> bool:
+    """vLLM 0.29 / 0.30: ``_free_request_blocks`` asks ``_request_blocks_can_be_freed``, which reads the fence."""
+    return _reads(cls, "_request_blocks_can_be_freed", "defer_block_free", "last_sched_seq") and _reads(
+        cls, "_free_request_blocks", "_request_blocks_can_be_freed"
+    )
 
 
 def _fence_condition(tree):
@@ -175,18 +187,22 @@ def make_init(original):
     return __init__
 
 
-GROUP = Group("async_fences", V025_026)
+GROUP = Group(
+    "async_fences",
+    V025_026,
+    why="defers block frees while a step is in flight for layerwise AscendStore roles that load "
+    "(vLLM does it for kv_consumer only): a pool-hit load never targets a block the step still writes",
+    precondition=_precondition,
+    risk="a kv_producer's pool-hit load can target a block an in-flight step still writes",
+    fixed_upstream=_fixed_upstream,
+    counters=counters,
+    ported_to=((V029_030, "member async_free_fence_030 (the same fence, on vLLM 0.29 / 0.30's scheduler)"),),
+)
 
 SPECS = (
-    GROUP.spec(
-        "async_free_fence",
-        f"{ASYNC}:AsyncScheduler.__init__",
-        make_init,
-        why="defers block frees while a step is in flight for layerwise AscendStore roles that load "
-        "(vLLM does it for kv_consumer only): a pool-hit load never targets a block the step still writes",
-        precondition=_precondition,
-        risk="a kv_producer's pool-hit load can target a block an in-flight step still writes",
-        fixed_upstream=_fixed_upstream,
-        counters=counters,
-    ),
+    GROUP.spec("async_free_fence", f"{ASYNC}:AsyncScheduler.__init__", make_init),
+    # vLLM 0.29 / 0.30 + vllm-ascend 0.30.0rc2: vLLM still defers for kv_consumer only (its free path asks
+    # _request_blocks_can_be_freed now), vllm-ascend still loads the current layer ungated
+    # (tests/standins/test_async_fences.py runs on v0300)
+    GROUP.spec("async_free_fence_030", f"{ASYNC}:AsyncScheduler.__init__", make_init, ranges=V029_030, after=("async_free_fence",)),
 )

@@ -82,7 +82,7 @@ from byte_store import PoolService
 
 from . import timing
 from .async_drivers import DelayedUploads, InFlightWrites
-from .engine import differing_tokens, engine_loop, groups_skipped, reference_outputs
+from .engine import differing_tokens, engine_loop, groups_skipped, hit_after_chunked_prefill, reference_outputs
 from .instance import PoolInstance
 from .lifetime import ATTN, MAMBA, BadRead, BlockOwners, Lifetime, layer_slot_fault, make_lifetime
 from .model import CORRUPT_TOKEN_BASE, HIDDEN_BITS, next_token, sample, state_value, true_hidden, true_output
@@ -116,6 +116,7 @@ __all__ = [
     "differing_tokens",
     "engine_loop",
     "groups_skipped",
+    "hit_after_chunked_prefill",
     "layer_slot_fault",
     "make_lifetime",
     "make_pool",

@@ -14,6 +14,22 @@ def _ranks_here(inst: PoolInstance, driver: str) -> list:
     return inst.ranks
 
 
+def block_spans(inst: PoolInstance, layer: str, block_id: int) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` of ``layer``'s block ``block_id`` in rank 0's cache memory (GDN
+    state tensors, or attention K and V): layers of different groups share memory (vLLM <= 0.29: one
+    page per shared tensor; vLLM 0.30: every group overlaid on one allocation), compare these."""
+    cache = _ranks_here(inst, "block_spans")[0].kv_caches[layer]
+    spans = []
+    for tensor in list.__iter__(cache) if isinstance(cache, list) else cache:
+        block = tensor[block_id]
+        spans.append((block.data_ptr(), block.data_ptr() + block.numel() * block.element_size()))
+    return spans
+
+
+def overlaps(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
+
+
 class InFlightWrites:
     """Stands in for a device that is still running a step: the cache writes of the batch executed
     after :meth:`hold_next` (every rank) are held back. They land at the next executed batch's first

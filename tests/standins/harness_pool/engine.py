@@ -52,3 +52,21 @@ def engine_loop(inst: PoolInstance, *, max_steps: int = 1000, on_step=None) -> i
         if so is not None and not so.total_num_scheduled_tokens and inst.has_work():
             time.sleep(0.001)  # EngineCoreProc._process_engine_step: no model run, still has requests
     return n
+
+
+def hit_after_chunked_prefill(pool) -> tuple[PoolInstance, dict[str, int]]:
+    """A prefills 16 blocks + 5 tokens in 4-block chunks (GDN states saved at 64, 128, 192, 256); B,
+    on the same pool, hits all 16 blocks. Returns B and the bytes B's loads read from each of the GDN
+    group's keys (``mamba_pool_resume_load``'s scenario: how many chunk-end states a hit loads)."""
+    from byte_store import G2L
+
+    prompt = list(range(8000, 8000 + 16 * 16 + 5))
+    a = PoolInstance(pool, name="A", max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    a.add_request("a", prompt, max_tokens=1)
+    engine_loop(a)
+    b = PoolInstance(pool, name="B")
+    group = str(b.group_of[b.gdn_layers[0]])
+    pool.key_bytes[G2L].clear()
+    b.add_request("b", prompt[:256] + [1, 2, 3], max_tokens=1)
+    engine_loop(b)
+    return b, {k: n for k, n in pool.key_bytes[G2L].items() if k.split("@")[1] == group}

@@ -37,17 +37,19 @@ class BadRead:
 
 def _cache_regions(rank: _Rank, num_blocks: int) -> tuple[int, list[tuple[int, int, int]]]:
     """(pid, [(address of block 0, bytes, block stride)]) of the rank's cache memory: one page per
-    raw tensor where the groups share it (vLLM <= 0.29); vLLM 0.30 places the layers of a tensor one
-    after another (``offset + l * layer_stride``, their own ``block_stride``): one region per layer."""
+    raw tensor where the groups share it (vLLM <= 0.29); vLLM 0.30 places every tensor's layers in one
+    backing allocation (``offset + l * layer_stride``, their own ``block_stride``): one region per layer
+    placement (tensors of different groups overlay: the same region)."""
     tensors = rank.kv_cache_config.kv_cache_tensors
     if all(hasattr(t, "shared_by") for t in tensors):
         return _os.getpid(), [(raw.data_ptr(), raw.numel(), raw.numel() // num_blocks) for raw in rank._raw]
-    regions = [
+    (raw,) = rank._raw  # one backing allocation; the groups overlay each other
+    regions = {
         (raw.data_ptr() + start, num_blocks * stride, stride)
-        for raw, tensor in zip(rank._raw, tensors)
+        for tensor in tensors
         for _name, start, stride in _placements(tensor, rank.inst.specs)
-    ]
-    return _os.getpid(), regions
+    }
+    return _os.getpid(), sorted(regions)
 
 
 def slot_of(inst: PoolInstance, key: str, offset: int, size: int) -> int:

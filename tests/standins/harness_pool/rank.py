@@ -68,15 +68,25 @@ class _Rank(_RankStep):
         self.layers: dict[str, _torch.nn.Module] = {}
         kv_caches: dict[str, object] = {}
         nb = self.kv_cache_config.num_blocks
-        self._raw = []
-        for tensor in self.kv_cache_config.kv_cache_tensors:
-            align = 2 * 1024 * 1024  # vllm-ascend's register_kv_caches aligns regions down to 2 MiB
-            raw = _torch.zeros(tensor.size + align, dtype=_torch.uint8)
-            start = (-raw.data_ptr()) % align
-            raw = raw[start : start + tensor.size]
-            self._raw.append(raw)
-            _HOST_REGIONS.append((raw.data_ptr(), tensor.size))
-            inst.pool_register(raw)
+        self._raw = []  # the raw allocations (registered with the pool once each)
+        tensors = self.kv_cache_config.kv_cache_tensors
+        # vLLM <= 0.29: one allocation per KVCacheTensor (its ``shared_by`` layers share it); vLLM 0.30:
+        # every KVCacheTensor places its layers in ONE backing allocation of ``size`` bytes, and the
+        # cache groups overlay each other (block b of a GDN layer and of an attention layer can be the
+        # same bytes: allocate_kv_cache)
+        one_backing = not all(hasattr(t, "shared_by") for t in tensors)
+        for tensor in tensors:
+            if one_backing and self._raw:
+                raw = self._raw[0]
+                assert tensor.size == raw.numel(), "KV cache tensors must share one backing allocation"
+            else:
+                align = 2 * 1024 * 1024  # vllm-ascend's register_kv_caches aligns regions down to 2 MiB
+                raw = _torch.zeros(tensor.size + align, dtype=_torch.uint8)
+                start = (-raw.data_ptr()) % align
+                raw = raw[start : start + tensor.size]
+                self._raw.append(raw)
+                _HOST_REGIONS.append((raw.data_ptr(), tensor.size))
+                inst.pool_register(raw)
             for name, start, page in _placements(tensor, inst.specs):
                 spec = inst.specs[name]
                 if name in inst.gdn_layers:
