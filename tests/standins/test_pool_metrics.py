@@ -492,3 +492,23 @@ def test_030_a_stuck_send_is_counted(library, monkeypatch):
     assert got == ZERO | {"stuck_sends": 1.0}
     assert any("stuck_sends=1" in line for line in lines), lines
     assert _upstream_figures(tap, inst) == dict.fromkeys(UPSTREAM_030, 0.0)
+
+
+@pytest.mark.pairs("v0300")
+def test_030_a_slow_store_moves_no_pool_figure(library):
+    """A store slower than the model on 0.30 (every save copy 1.5-6x save_kv_layer's scaled wait): 0.30
+    holds each step until its copies returned, so no send holds a block, nothing is shed and nothing
+    fails -- every ``vllm:ascend_pool_*`` figure stays 0, registered all the same (README: why)."""
+    library(True)
+    pool = make_pool()
+    inst = PoolInstance(pool, name="slow")
+    inst.scale_save_wait()
+    tap = StatsTap(inst)
+    fault = slow_store(pool, seed=0, hang_p=0.0)
+    for i in range(4):
+        inst.add_request(f"r{i}", list(range(40_000 + 100 * i, 40_000 + 100 * i + 40)), max_tokens=2)
+    engine_loop(inst)
+    got = _figures(tap, inst)
+    print(f"\n0.30 slow store: {fault.hits} slow copies; {got}")
+    assert fault.hits > 0 and got == ZERO
+    assert not inst.has_work() and inst.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == inst.kv_cache_config.num_blocks - 1
