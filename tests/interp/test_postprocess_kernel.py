@@ -400,27 +400,38 @@ def conv_layout(dim_first: bool):
 
 
 def vllm_context(cache: Cache, max_reqs: int):
-    """vLLM 0.25's real MambaSpecDecodeGPUContext over this cache (metadata built by vLLM)."""
+    """vLLM's real MambaSpecDecodeGPUContext over this cache (metadata built by vLLM). vLLM 0.30 takes
+    the copy functions by mamba type (``create(..., copy_funcs, ...)``), 0.25 / 0.26 a count of state types."""
+    import inspect
+
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
     from vllm.v1.utils import CpuGpuBuffer
     from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
 
+    by_type = "copy_funcs" in inspect.signature(MambaSpecDecodeGPUContext.create).parameters
     lo = cache.layout
     conv, temporal = next(iter(cache.states.values()))
+    extra = {}
+    if by_type:
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+        extra["mamba_type"] = MambaAttentionBackendEnum.GDN_ATTN
     spec = MambaSpec(
         block_size=lo.block_size,
         shapes=(tuple(conv.shape[1:]), tuple(temporal.shape[1:])),
         dtypes=(lo.conv_dtype, lo.temporal_dtype),
         mamba_cache_mode="align",
         num_speculative_blocks=lo.spec,
+        **extra,
     )
     groups = [KVCacheGroupSpec(names, spec) for names in cache.layer_names]
     config = KVCacheConfig(num_blocks=conv.shape[0], kv_cache_tensors=[], kv_cache_groups=groups)
+    funcs = (get_conv_copy_spec, get_temporal_copy_spec)
+    copy_funcs = {spec.mamba_type: funcs} if by_type else funcs
     make_buffer = lambda n, dtype: CpuGpuBuffer(n, dtype=dtype, device="cpu", pin_memory=False)  # noqa: E731
-    ctx = MambaSpecDecodeGPUContext.create(max_reqs, config, 2, torch.device("cpu"), make_buffer)
+    ctx = MambaSpecDecodeGPUContext.create(max_reqs, config, copy_funcs if by_type else 2, torch.device("cpu"), make_buffer)
     forward_context = {name: SimpleNamespace(kv_cache=list(states)) for name, states in cache.states.items()}
-    copy_funcs = (get_conv_copy_spec, get_temporal_copy_spec)
     ctx.initialize_from_forward_context(config, forward_context, copy_funcs, cache.tables)
     return ctx
 
@@ -606,34 +617,6 @@ def ascend_030():
         alp.REGISTRY.activate()
 
 
-def vllm030_context(cache: Cache, max_reqs: int):
-    """vLLM 0.30's MambaSpecDecodeGPUContext over this cache (copy functions now given by mamba type)."""
-    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
-    from vllm.v1.utils import CpuGpuBuffer
-    from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
-
-    lo = cache.layout
-    conv, temporal = next(iter(cache.states.values()))
-    spec = MambaSpec(
-        block_size=lo.block_size,
-        shapes=(tuple(conv.shape[1:]), tuple(temporal.shape[1:])),
-        dtypes=(lo.conv_dtype, lo.temporal_dtype),
-        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-        mamba_cache_mode="align",
-        num_speculative_blocks=lo.spec,
-    )
-    groups = [KVCacheGroupSpec(names, spec) for names in cache.layer_names]
-    config = KVCacheConfig(num_blocks=conv.shape[0], kv_cache_tensors=[], kv_cache_groups=groups)
-    copy_funcs = {spec.mamba_type: (get_conv_copy_spec, get_temporal_copy_spec)}
-    make_buffer = lambda n, dtype: CpuGpuBuffer(n, dtype=dtype, device="cpu", pin_memory=False)  # noqa: E731
-    ctx = MambaSpecDecodeGPUContext.create(max_reqs, config, copy_funcs, torch.device("cpu"), make_buffer)
-    forward_context = {name: SimpleNamespace(kv_cache=list(states)) for name, states in cache.states.items()}
-    ctx.initialize_from_forward_context(config, forward_context, copy_funcs, cache.tables)
-    return ctx
-
-
 @pytest.mark.pairs("v0300")
 @pytest.mark.control(VOUCH_030)
 @given(layout=vllm_layouts, n_rows=st.integers(1, 5), v2=st.booleans(), data=st.data())
@@ -646,7 +629,7 @@ def test_030_vllm_callers_with_ascend_kernel(ascend_030, layout, n_rows, v2, dat
     cache = make_cache(layout, n_rows, cols_needed(layout), seed=n_rows)
     expected_pages, expected_out = reference(cache, step)
     with conv_layout(layout.dim_first):
-        ctx = vllm030_context(cache, max_reqs=len(step.accepted))  # V2 snapshots the whole buffer
+        ctx = vllm_context(cache, max_reqs=len(step.accepted))  # V2 snapshots the whole buffer
         out = run_v2(ctx, step) if v2 else run_v1(ctx, step)
     assert_same(cache, expected_pages, out, expected_out)
 
@@ -661,5 +644,5 @@ def test_030_v2_race_case_is_clean(ascend_030, dim_first):
     expected_pages, expected_out = reference(cache, step)
     assert expected_out.tolist() == [1, 1, 1]
     with conv_layout(dim_first):
-        out = run_v2(vllm030_context(cache, max_reqs=3), step)
+        out = run_v2(vllm_context(cache, max_reqs=3), step)
     assert_same(cache, expected_pages, out, expected_out)
