@@ -74,6 +74,18 @@ def source(obj) -> str:
         return ""
 
 
+def syntax_tree(obj):
+    """``obj``'s source parsed (``ast``), or ``None`` where there is no source or it does not parse."""
+    import ast
+    import textwrap
+
+    text = source(obj)
+    try:
+        return ast.parse(textwrap.dedent(text)) if text else None
+    except SyntaxError:
+        return None
+
+
 def param_names(fn) -> list[str]:
     """The parameter names of ``fn``, in order."""
     import inspect

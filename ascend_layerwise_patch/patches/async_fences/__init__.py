@@ -34,14 +34,13 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
-import textwrap
 import types
 
 from ...host import logger
 from .._checks import Group
 from .._ranges import V025_026, V029_030
 from .._targets import STORE
-from .._checks import source as _source
+from .._checks import syntax_tree as _syntax_tree
 
 ASYNC = "vllm.v1.core.sched.async_scheduler"
 CONNECTOR = f"{STORE}.ascend_store_connector"
@@ -51,11 +50,6 @@ _COUNTS = {"schedulers_fenced": 0}
 
 def counters() -> dict[str, int]:
     return dict(_COUNTS)
-
-
-def _tree(fn) -> ast.AST | None:
-    text = _source(fn)
-    return ast.parse(textwrap.dedent(text)) if text else None
 
 
 def _self_attrs(node, *, stored: bool) -> set[str]:
@@ -73,7 +67,7 @@ def _fence_init():
     cls = importlib.import_module(ASYNC).AsyncScheduler
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
-        tree = _tree(init) if init is not None else None
+        tree = _syntax_tree(init) if init is not None else None
         if tree is not None and "defer_block_free" in _self_attrs(tree, stored=True):
             return init, tree
     return None, None
@@ -83,7 +77,7 @@ def _reads(cls, name: str, *attrs: str) -> bool:
     """Some definition of ``name`` in ``cls``'s MRO reads every one of ``attrs``."""
     for klass in cls.__mro__:
         fn = klass.__dict__.get(name)
-        tree = _tree(fn) if fn is not None else None
+        tree = _syntax_tree(fn) if fn is not None else None
         if tree is not None and set(attrs) <= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}:
             return True
     return False

@@ -327,7 +327,7 @@ SPECS = (
         _v030.WAIT,
         _v030.make_wait,
         ranges=V029_030,
-        precondition=_v030.wait_ok,
+        precondition=_v030.WAIT_EXPECTS,
         fixed_upstream=_v030.warns_itself,
         after=("mamba_lifetime_030",),
         why="a layerwise send that holds the step's last-layer wait is warned about and counted (0.30 waits silently)",

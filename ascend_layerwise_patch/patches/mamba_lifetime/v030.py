@@ -18,7 +18,7 @@ Why      0.30.0rc2 rewrote the send path the 0.25 / 0.26 members patch, and fixe
          fixed upstream; where they are gone the group fails with its risk. It also fails where
          ``VLLM_ASCEND_LW_DEFER_LAST_SAVE=1`` moved that wait to the next step's start: the step then
          returns with its copies in flight, and the runner zeroes and reuses blocks they still read
-         (wrong bytes in the pool; tests/standins/test_mamba_lifetime.py runs the scenarios on v0300).
+         (wrong bytes in the pool; tests/standins/test_send_path_030.py runs the scenarios on v0300).
          What 0.30 does not do: say anything while the wait hangs. A copy that never returns holds the
          whole engine in that wait, with one INFO line a minute ("save drain still waiting").
 How      ``send_stuck_030``: the wait is wrapped to note when it began (one attribute write before, one
@@ -36,15 +36,15 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
-import textwrap
 import threading
 import time
 import weakref
 
 from ... import pool_events
 from ...host import logger
-from .._checks import param_names as _params
+from .._checks import expects as _expects
 from .._checks import source as _source
+from .._checks import syntax_tree as _syntax_tree
 from .._targets import STORE
 from .send_integrity import STUCK_AFTER_S as STUCK_AFTER_S
 from .send_integrity import STUCK_REPEAT_S as STUCK_REPEAT_S
@@ -143,9 +143,8 @@ def make_wait(original):
 # ----------------------------------------------------------------------------- checks on targets
 def _returns_early_for_layerwise(touch) -> bool:
     """``touch_sending_mamba_blocks`` has ``if self.use_layerwise: return`` (no block touched)."""
-    try:
-        tree = ast.parse(textwrap.dedent(_source(touch)))
-    except SyntaxError:
+    tree = _syntax_tree(touch)
+    if tree is None:
         return False
     for node in ast.walk(tree):
         if (
@@ -178,17 +177,12 @@ def sends_end_with_their_step(original) -> str | None:
     )
 
 
-def wait_ok(original) -> str | None:
-    params = _params(original)
-    if params != ["self", "num_local", "send_thread"]:
-        return f"KVPoolWorker._wait_for_final_layer_save parameters are {params}, expected [self, num_local, send_thread]"
-    return None
+WAIT_EXPECTS = _expects(["self", "num_local", "send_thread"])
 
 
 def warns_itself(original) -> str | None:
-    try:
-        tree = ast.parse(textwrap.dedent(_source(original)))
-    except SyntaxError:
+    tree = _syntax_tree(original)
+    if tree is None:
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("logger.warning", "logger.warn"):

@@ -388,11 +388,6 @@ SPECS = (
 )
 
 
-#: Its own group, applied after pool_key_layout and before load_failures (patches.SPECS): the same
-#: fix as ``mamba_pool_null_loads`` on vllm-ascend 0.25.1rc1, where a pool hit looked up every block
-#: of its range and copied each intermediate chunk-end mamba state that exists into the null block
-#: (load cost; the null block is shared). There the null blocks of a hit are neither looked up,
-#: leased nor loaded.
 def _resume_load_fixed_030(original) -> str | None:
     """vllm-ascend 0.30.0rc2 loads a hit's blocks through the coordinator's reachable-load masks (the
     mamba groups' intermediate states are not in them) and skips null blocks of align-state groups."""
@@ -403,6 +398,11 @@ def _resume_load_fixed_030(original) -> str | None:
     return None
 
 
+#: Its own group, applied after pool_key_layout and before load_failures (patches.SPECS): the same
+#: fix as ``mamba_pool_null_loads`` on vllm-ascend 0.25.1rc1, where a pool hit looked up every block
+#: of its range and copied each intermediate chunk-end mamba state that exists into the null block
+#: (load cost; the null block is shared). There the null blocks of a hit are neither looked up,
+#: leased nor loaded.
 RESUME_LOAD_GROUP = Group(
     "mamba_pool_resume_load",
     V025,

@@ -78,6 +78,7 @@ from .._checks import Group
 from .._ranges import V025_026, V029_030
 from .._targets import STORE
 from .._checks import expects, source
+from .._checks import param_names as _params
 
 FORMAT = 1
 ENV_MODEL_ID = "ASCEND_LAYERWISE_PATCH_POOL_MODEL_ID"
@@ -95,6 +96,21 @@ def namespace(model, revision, *, tp: int, pp: int, stage: int | None, pcp: int 
     name = next((part for part in reversed(named.split("/")) if part), "model").replace("@", "_")
     layout = f"tp{tp}.pp{pp}" + ("" if stage is None else f"s{stage}") + (f".cp{pcp}x{dcp}" if pcp * dcp > 1 else "")
     return f"alp{FORMAT}.{name}.{digest}.{layout}"
+
+
+def layout_name(model_config, *, tp: int, pp: int, stage: int | None, pcp: int, dcp: int) -> str:
+    """:func:`namespace` of this process's checkpoint (``model_config``: its path and revision, or
+    ``ASCEND_LAYERWISE_PATCH_POOL_MODEL_ID`` when set) at this layout."""
+    return namespace(
+        model_config.model,
+        getattr(model_config, "revision", None),
+        tp=tp,
+        pp=pp,
+        stage=stage,
+        pcp=pcp,
+        dcp=dcp,
+        model_id=os.environ.get(ENV_MODEL_ID),
+    )
 
 
 def refusal(pp: int) -> str:
@@ -121,16 +137,13 @@ def make_init(original):
             return
         if self.pp_size > 1:
             raise ValueError(refusal(self.pp_size))
-        model_config = _vllm_config(original, args, kwargs).model_config
-        self.model_name = namespace(
-            model_config.model,
-            getattr(model_config, "revision", None),
+        self.model_name = layout_name(
+            _vllm_config(original, args, kwargs).model_config,
             tp=self.tp_size,
             pp=self.pp_size,
             stage=self.pp_rank,
             pcp=getattr(self, "pcp_size", 1),
             dcp=getattr(self, "dcp_size", 1),
-            model_id=os.environ.get(ENV_MODEL_ID),
         )
 
     return __init__
@@ -208,16 +221,14 @@ def make_bind_030(original):
 
     @functools.wraps(original)
     def bind_layerwise_keys(*, vllm_config, kv_cache_config, model_name, use_hybrid, grouped_block_size):
-        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
-        name = namespace(
-            model_config.model,
-            getattr(model_config, "revision", None),
+        parallel = vllm_config.parallel_config
+        name = layout_name(
+            vllm_config.model_config,
             tp=parallel.tensor_parallel_size,
             pp=parallel.pipeline_parallel_size,
             stage=None,  # upstream's key names the stage (@pp<stage>)
             pcp=getattr(parallel, "prefill_context_parallel_size", 1),
             dcp=getattr(parallel, "decode_context_parallel_size", 1),
-            model_id=os.environ.get(ENV_MODEL_ID),
         )
         return original(
             vllm_config=vllm_config,
@@ -280,8 +291,8 @@ def _bind_probe(original, *, model: str, pp: int) -> str:
 
 
 def _bind_030_ok(original) -> str | None:
-    if list(inspect.signature(original).parameters) != _BIND_PARAMS:
-        return f"bind_layerwise_keys parameters are {list(inspect.signature(original).parameters)}, expected {_BIND_PARAMS}"
+    if _params(original) != _BIND_PARAMS:
+        return f"bind_layerwise_keys parameters are {_params(original)}, expected {_BIND_PARAMS}"
     try:
         _bind_probe(original, model="/a/m", pp=1)
     except Exception as exc:  # noqa: BLE001 - any failure is drift

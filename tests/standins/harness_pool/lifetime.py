@@ -40,13 +40,12 @@ def _cache_regions(rank: _Rank, num_blocks: int) -> tuple[int, list[tuple[int, i
     raw tensor where the groups share it (vLLM <= 0.29); vLLM 0.30 places every tensor's layers in one
     backing allocation (``offset + l * layer_stride``, their own ``block_stride``): one region per layer
     placement (tensors of different groups overlay: the same region)."""
-    tensors = rank.kv_cache_config.kv_cache_tensors
-    if all(hasattr(t, "shared_by") for t in tensors):
+    if not rank.one_backing:
         return _os.getpid(), [(raw.data_ptr(), raw.numel(), raw.numel() // num_blocks) for raw in rank._raw]
-    (raw,) = rank._raw  # one backing allocation; the groups overlay each other
+    (raw,) = rank._raw  # the groups overlay each other
     regions = {
         (raw.data_ptr() + start, num_blocks * stride, stride)
-        for tensor in tensors
+        for tensor in rank.kv_cache_config.kv_cache_tensors
         for _name, start, stride in _placements(tensor, rank.inst.specs)
     }
     return _os.getpid(), sorted(regions)
@@ -61,16 +60,16 @@ def slot_of(inst: PoolInstance, key: str, offset: int, size: int) -> int:
     return offset * len(inst.kv_cache_config.kv_cache_groups[int(key.split("@")[1])].layer_names) // size
 
 
+def has_a_gap(inst: PoolInstance, key: str, blob) -> bool:
+    """A layer slot of ``key``'s group that no successful copy wrote before the key was finished."""
+    layers = len(inst.kv_cache_config.kv_cache_groups[int(key.split("@")[1])].layer_names)
+    written = {slot_of(inst, key, off, len(blob.data)) for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at}
+    return not set(range(layers)) <= written
+
+
 def ready_with_a_gap(pool, inst: PoolInstance) -> list[str]:
     """The pool's ready keys with a layer slot that no successful copy wrote before the key was finished."""
-    gaps = []
-    for key in pool.ready_keys():
-        blob = pool.blobs[key]
-        layers = len(inst.kv_cache_config.kv_cache_groups[int(key.split("@")[1])].layer_names)
-        written = {slot_of(inst, key, off, len(blob.data)) for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at}
-        if not set(range(layers)) <= written:
-            gaps.append(key)
-    return gaps
+    return [key for key in pool.ready_keys() if has_a_gap(inst, key, pool.blobs[key])]
 
 
 def _keys_sized_for_every_layer() -> bool:
@@ -360,17 +359,9 @@ class Lifetime:
     def stale_ready(self) -> list[str]:
         """This workload's keys finished ready while a layer slot was unwritten (by a copy that
         returned 0 before the finish)."""
-        groups, gaps = self.inst.kv_cache_config.kv_cache_groups, []
         with self.pool.lock:
-            for key in self.new_keys():
-                blob = self.pool.blobs[key]
-                if blob.state != "ready":
-                    continue
-                n, size = len(groups[int(key.split("@")[1])].layer_names), len(blob.data)
-                written = {slot_of(self.inst, key, off, size) for off, _n, t, ok in blob.writes if ok and t <= blob.finished_at}
-                if not set(range(n)) <= written:
-                    gaps.append(key)
-        return gaps
+            blobs = self.pool.blobs
+            return [key for key in self.new_keys() if blobs[key].state == "ready" and has_a_gap(self.inst, key, blobs[key])]
 
     def finished(self) -> dict[str, int]:
         """This workload's finished keys and their results."""

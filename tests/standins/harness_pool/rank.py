@@ -74,9 +74,9 @@ class _Rank(_RankStep):
         # every KVCacheTensor places its layers in ONE backing allocation of ``size`` bytes, and the
         # cache groups overlay each other (block b of a GDN layer and of an attention layer can be the
         # same bytes: allocate_kv_cache)
-        one_backing = not all(hasattr(t, "shared_by") for t in tensors)
+        self.one_backing = not all(hasattr(t, "shared_by") for t in tensors)
         for tensor in tensors:
-            if one_backing and self._raw:
+            if self.one_backing and self._raw:
                 raw = self._raw[0]
                 assert tensor.size == raw.numel(), "KV cache tensors must share one backing allocation"
             else:
