@@ -143,11 +143,21 @@ def test_the_harness_sees_a_send_outlive_its_step(library):
     in flight, as 0.25.1rc1 after its 10 s), a's held copies read blocks b was given meanwhile."""
     library(False)
 
+    class Unchecked(threading.Event):
+        """A save event whose ``is_set`` reads False: with no end-of-step wait, a's copies set their
+        events after the step that cleared them, and 0.30's sending thread would stop on its own
+        "save failed" assertion at b's first layer instead of running b's copies (seen in CI)."""
+
+        def is_set(self) -> bool:
+            return False
+
     def no_final_wait(rank) -> None:
         worker = rank.connector.connector_worker
+        events = worker.layer_save_finished_events  # one list, shared with the rank's threads
+        events[:] = [Unchecked() for _ in events]
 
         def skip(num_local, send_thread):
-            for event in worker.layer_save_finished_events[:num_local]:
+            for event in events[:num_local]:
                 event.clear()
 
         worker._wait_for_final_layer_save = skip
