@@ -13,6 +13,7 @@ parameter set, with its pairs mark.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import subprocess
@@ -123,6 +124,24 @@ def activate_skipping(*groups: str):
     skip = ",".join(filter(None, [os.environ.get("ASCEND_LAYERWISE_PATCH_SKIP"), *groups]))
     reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": skip} if groups else None)
     return reg
+
+
+@contextlib.contextmanager
+def library_off():
+    """The whole library off (``ASCEND_LAYERWISE_PATCH=0``, re-activated) for the block; afterwards the
+    environment as it was and the library re-activated as it says (under a library-off run of the
+    suite: still off)."""
+    prev = os.environ.get("ASCEND_LAYERWISE_PATCH")
+    os.environ["ASCEND_LAYERWISE_PATCH"] = "0"
+    activate_skipping()
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("ASCEND_LAYERWISE_PATCH", None)
+        else:
+            os.environ["ASCEND_LAYERWISE_PATCH"] = prev
+        activate_skipping()
 
 
 def group_states(group: str) -> set[str]:

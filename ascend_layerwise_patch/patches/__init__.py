@@ -54,6 +54,8 @@ pool_load_recovery      pool_load_recovery   0.30: a failed hybrid pool load end
 pool_load_agreement     pool_load_recovery   0.30: at TP > 1 with async scheduling a failed pool load stopped one rank and hung the others
 pool_load_wait_bound    pool_load_recovery   0.30: a layerwise pool load copy that never returned hung the engine (the layer wait had no bound)
 pool_load_recovery_policy pool_load_recovery 0.30: vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
+mtp_layer               mtp_layer            under MTP the draft layer's pool KV was saved with layer 0, before the drafter wrote it
+mtp_step_end            mtp_layer            under MTP a step whose drafter did not run broke the layer sending thread ('save failed')
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from . import (
     mamba_lifetime,
     mamba_local_hit,
     mamba_pool_hit,
+    mtp_layer,
     pool_hit_boundary,
     pool_key_layout,
     pool_key_tp,
@@ -98,4 +101,6 @@ SPECS = (
     *pool_key_tp.SPECS,
     *pool_load_recovery.SPECS,
     *pool_metrics_030.SPECS,
+    *mtp_layer.SPECS,
+    *mtp_layer.STEP_END_SPECS,
 )

@@ -99,9 +99,10 @@ class RankProcesses:
             conn.send(("execute", so, step))
         replies = self._collect(range(self.tp), self.reply_limit, f"step {step}")
         outputs = []
-        for output, reads, null_writes in replies:
+        for output, reads, null_writes, drafts in replies:
             inst.reads.extend(reads)
             inst.null_writes.extend(null_writes)
+            inst.drafts.extend(drafts)
             outputs.append(output)
         tokens = [o.sampled_token_ids for o in outputs]
         if any(t != tokens[0] for t in tokens):  # TP ranks sample from one all-reduced hidden state
@@ -302,10 +303,10 @@ def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
         try:
             if msg[0] == "execute":
                 so, inst.steps = msg[1], msg[2]
-                inst.reads, inst.null_writes = [], []
+                inst.reads, inst.null_writes, inst.drafts = [], [], []
                 output = rank.execute(so)
                 rank.accept(output)
-                reply = (output, inst.reads, inst.null_writes)
+                reply = (output, inst.reads, inst.null_writes, inst.drafts)
             else:
                 fn, args = msg[1], msg[2]
                 reply = fn(rank, *args)

@@ -58,6 +58,16 @@ Stood in for, and why:
 - one process per TP rank: each rank's worker half is built while vllm-ascend's pool worker and
   MemCache backend see that rank's parallel state; each rank's step runs with its connector as
   the process's transfer group;
+- the drafter (``PoolInstance(mtp=N)``): the draft model's attention layer is in the KV cache as vLLM
+  puts it (``mtp.layers.0.self_attn.attn``, in the target's attention group) and runs through vLLM's
+  ``maybe_transfer_kv_layer`` N times per step after the target's forward, before the connector's
+  deferred ``finalize_kv_connector`` (skipped where the batch does not fit the drafter, as the
+  runners skip it); its proposals (:class:`~harness_pool.rank_step.Draft`) are the true continuation
+  at about 3 of 4 positions when its first pass read right KV on every rank, else nothing the
+  target samples, and are verified against the target's next tokens (``PoolInstance.acceptance``).
+  Drafts are not scheduled as speculative tokens: the target's tokens are what a lossless spec
+  decode yields, and the scheduler's speculative slots and the GDN layers' per-draft states are not
+  modelled;
 - the model's compute: a GDN layer "computes" when the original ``_forward_core`` first reads its
   state (``self.kv_cache[1]``): the harness records what the state block of each request holds
   (a :class:`GDNRead`), writes the state after this step's tokens, and stops the original there

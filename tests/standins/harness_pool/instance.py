@@ -50,8 +50,13 @@ class PoolInstance:
         num_speculative_blocks: int = 0,
         #: MTP speculative decoding: a speculative config with the model's MTP method and this many
         #: speculative tokens (the scheduler and the pool scheduler see it as vLLM builds it; the
-        #: mamba spec reserves as many speculative blocks). 0: none. Not modelled yet: a drafter
+        #: mamba spec reserves as many speculative blocks), the MTP attention layer in the KV cache
+        #: (``mtp.layers.0.self_attn.attn``, as vLLM names Qwen3-Next's / Qwen3.5's) and a stand-in
+        #: drafter (:meth:`~harness_pool.rank_step._RankStep.draft`). 0: none
         mtp: int = 0,
+        #: under MTP, the drafter replayed as a captured graph: its MTP layer computes without the
+        #: connector's layer hooks (a full graph runs no Python wrapper)
+        draft_graph: bool = False,
         kv_load_failure_policy: str = "fail",  # vLLM's default
         additional_config: dict | None = None,  # vllm-ascend's (``--additional-config``)
         model_dir: str | None = None,  # the checkpoint folder (``checkpoint_dir``); default: one per (pattern, kv_heads)
@@ -119,9 +124,16 @@ class PoolInstance:
             num_speculative_blocks = max(num_speculative_blocks, mtp)
         self.configs = [config(r) for r in range(tp)]
         self.layer_order = [f"model.layers.{i}." + ("linear_attn" if c == "G" else "self_attn.attn") for i, c in enumerate(pattern)]
-        self.layer_index = {n: i for i, n in enumerate(self.layer_order)}
         self.gdn_layers = [n for n in self.layer_order if "linear_attn" in n]
         self.attn_layers = [n for n in self.layer_order if n not in self.gdn_layers]
+        #: the draft model's attention layer (its KV cache sits in the target's attention group, as the
+        #: runner's KV cache spec holds every attention layer of the forward context); its values are
+        #: those of layer ``num_hidden_layers`` (the MTP layer follows the target's last)
+        self.mtp = mtp
+        self.max_model_len = max_model_len
+        self.draft_graph = draft_graph
+        self.mtp_layers = ["mtp.layers.0.self_attn.attn"] if mtp else []
+        self.layer_index = {n: i for i, n in enumerate([*self.layer_order, *self.mtp_layers])}
         kv_per_rank = max(1, kv_heads // tp)
         attn = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_per_rank, head_size=16, dtype=_torch.bfloat16)
         mamba = MambaSpec(
@@ -133,8 +145,8 @@ class PoolInstance:
             mamba_cache_mode="align",
             num_speculative_blocks=num_speculative_blocks,
         )
-        self.specs = {n: (mamba if n in self.gdn_layers else attn) for n in self.layer_order}
-        group_size = max(len(self.gdn_layers), len(self.attn_layers))
+        self.specs = {n: (mamba if n in self.gdn_layers else attn) for n in [*self.layer_order, *self.mtp_layers]}
+        group_size = max(len(self.gdn_layers), len(self.attn_layers) + len(self.mtp_layers))
         memory = attn.page_size_bytes * num_blocks * group_size
         worker_cfgs = get_kv_cache_configs(self.configs[0], [dict(self.specs)], [memory])
         self.kv_cache_config = worker_cfgs[0]
@@ -165,6 +177,8 @@ class PoolInstance:
             log_stats=False,
         )
         self.reads: list[GDNRead] = []
+        #: every proposal of the stand-in drafter, per rank (:class:`~harness_pool.rank_step.Draft`)
+        self.drafts: list = []
         #: (step, request, layer) of every state a GDN layer wrote into the null block (block 0)
         self.null_writes: list[tuple[int, str, str]] = []
         self.kv_outputs: list = []
@@ -344,6 +358,27 @@ class PoolInstance:
             for r in self.reads
             if r.kind == kind and (req_id is None or r.req_id == req_id) and (step is None or r.step == step)
         ]
+
+    def acceptance(self, req_id: str | None = None) -> dict[str, int]:
+        """The stand-in drafter's proposals verified against the tokens the target sampled after them
+        (vLLM's rejection sampler at temperature 0: a draft token counts while it and every one before
+        it equal the target's): ``proposed`` draft tokens that had a target token to meet, ``accepted``
+        of them, over ``drafts`` proposals. A proposal is right only where its MTP reads were right on
+        every rank (``Draft.ok``, combined over the ranks here)."""
+        by_proposal: dict = {}
+        for d in self.drafts:
+            if req_id is None or d.req_id == req_id:
+                key = (d.step, d.req_id, d.position)
+                by_proposal[key] = by_proposal.get(key, d)._replace(ok=by_proposal.get(key, d).ok and d.ok)
+        proposed = accepted = 0
+        for d in by_proposal.values():
+            later = self.outputs.get(d.req_id, [])[d.position + 1 : d.position + 1 + self.mtp]
+            proposed += len(later)
+            for got, want in zip(d.proposal(self.mtp), later):
+                if got != want:
+                    break
+                accepted += 1
+        return {"drafts": len(by_proposal), "proposed": proposed, "accepted": accepted}
 
     def first_step_of(self, req_id: str) -> int | None:
         steps = [r.step for r in self.reads if r.req_id == req_id]

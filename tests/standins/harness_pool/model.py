@@ -59,3 +59,21 @@ def true_hidden(tokens, layer: int, tp: int) -> int:
 def sample(tokens, hidden: int, clean: bool) -> int:
     """The token sampled from the last layer's hidden state."""
     return next_token(tokens) if clean else CORRUPT_TOKEN_BASE + hidden % (65536 - CORRUPT_TOKEN_BASE)
+
+
+# -------------------------------------------------------------- the stand-in drafter (MTP)
+DRAFT_MISS_TOKEN = 50001  # what a draft position the drafter gets wrong proposes (never a clean token)
+
+
+def draft_tokens(tokens, k: int, ok: bool) -> list[int]:
+    """The stand-in MTP drafter's ``k`` proposals after ``tokens`` (the last one just sampled). With
+    right reads it proposes the true continuation at the positions a hash of the sequence picks
+    (about 3 of 4: a drafter with a real acceptance rate, the same on every instance and schedule);
+    from a wrong read it proposes nothing the target samples."""
+    out, seq = [], list(tokens)
+    for j in range(k):
+        true = next_token(seq)
+        right = ok and _h40("draft", _np.asarray(seq, dtype=_np.int64).tobytes(), j) % 4 != 0
+        out.append(true if right else DRAFT_MISS_TOKEN + j)
+        seq.append(true)
+    return out

@@ -64,6 +64,8 @@ class _Rank(_RankStep):
         self.kv_cache_config = inst.kv_cache_config
         self.in_forward = False
         self.so = None
+        self.draft_pass = 0  # which draft token the MTP layer computes (the drafter's pass)
+        self.draft_ok: dict[str, bool] = {}  # this step: the MTP layer read right, per request
         bs = inst.block_size
         self.layers: dict[str, _torch.nn.Module] = {}
         kv_caches: dict[str, object] = {}

@@ -5,10 +5,11 @@ and TP's all-reduce of the hidden state (:class:`_RankStep`, the half of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch as _torch
 
-from .model import _h40, sample, state_value, true_hidden, true_output
+from .model import _h40, draft_tokens, sample, state_value, true_hidden, true_output
 from .runtime import _transfer_group, setup_runtime
 
 
@@ -30,6 +31,22 @@ class GDNRead:
     @property
     def ok(self) -> bool:
         return self.actual == self.expected
+
+
+class Draft(NamedTuple):
+    """One proposal of the stand-in drafter: after the target sampled ``req_id``'s output token
+    ``position`` (``tokens``: the sequence up to and with it) at ``step``; ``ok``: the MTP layer read
+    right KV and the target's hidden state was right (on this rank)."""
+
+    rank: int
+    step: int
+    req_id: str
+    position: int
+    tokens: tuple
+    ok: bool
+
+    def proposal(self, k: int) -> list[int]:
+        return draft_tokens(self.tokens, k, self.ok)
 
 
 class _GDNComputed(Exception):
@@ -73,6 +90,16 @@ class _RankStep:
         self._all_reduce(layer, outputs)
 
     def attention(self, query, layer_name):
+        if layer_name in self.inst.mtp_layers:
+            if self.draft_pass == 0:  # later passes attend over the draft positions: no KV the pool keeps
+                self._draft_read(self._attend(layer_name))
+            return query
+        self._all_reduce(self.inst.layer_index[layer_name], self._attend(layer_name))
+        return query
+
+    def _attend(self, layer_name) -> dict:
+        """An attention layer's compute stand-in: reads every computed block of each request, writes
+        this step's; this rank's output slice per request (None: the true one)."""
         inst, so = self.inst, self.so
         layer = inst.layer_index[layer_name]
         group = inst.group_of[layer_name]
@@ -100,8 +127,21 @@ class _RankStep:
                 # the KV of this step's tokens is computed from the hidden state coming in
                 value = state_value(tokens[:upto], layer, key, nbytes) if out is None else state_value([*tokens[:upto], -1, out], layer, key, nbytes)
                 self._write_block((k, v), st.block_ids[group][b], value)
-        self._all_reduce(layer, outputs)
-        return query
+        return outputs
+
+    def _draft_read(self, outputs: dict) -> None:
+        """The MTP layer's first pass read (and wrote) its KV from the target's last hidden state: a
+        request's proposal is right when every rank read right (a SUM of the wrong ones over the TP
+        group when ranks are processes; the instance combines ranks in one process)."""
+        reqs = self.input_batch.req_ids
+        wrong = [int(outputs[r] is not None) for r in reqs]
+        if self.group is not None:
+            import torch.distributed as dist
+
+            summed = _torch.tensor(wrong, dtype=_torch.int64)
+            dist.all_reduce(summed, group=self.group)
+            wrong = summed.tolist()
+        self.draft_ok = {r: not w for r, w in zip(reqs, wrong)}
 
     # ------------------------------------------------------------------ the hidden state
     def _layer_output(self, req_id: str, tokens, layer: int, read_ok: bool, raw: bytes) -> int | None:
@@ -196,7 +236,7 @@ class _RankStep:
                 bufs,
             )
             metadata = {name: GDNAttentionMetadata(1, 1, 0, 0, 0, 0, 1) for name in self.inst.gdn_layers}
-            metadata.update({name: object() for name in self.inst.attn_layers})
+            metadata.update({name: object() for name in [*self.inst.attn_layers, *self.inst.mtp_layers]})
             defer = self.config.speculative_config is not None
             with (
                 set_forward_context(metadata, self.config, slot_mapping={}),
@@ -211,6 +251,12 @@ class _RankStep:
                 self._forward()
                 if staged is not None:
                     staged.finish_mamba_state_copy()
+            if defer:  # the runner's sample_tokens: the drafter, then the connector's deferred finalize
+                self.draft_ok = {}
+                if self._input_fits_in_drafter(so):
+                    with set_forward_context(metadata, self.config, slot_mapping={}):
+                        self._draft()
+                rt.runner.finalize_kv_connector()
         out_tokens = []
         for req_id in self.input_batch.req_ids:
             st = self.requests[req_id]
@@ -225,10 +271,15 @@ class _RankStep:
         )
 
     def accept(self, output) -> None:
-        """The runner keeps the tokens sampled this step (the same on every rank)."""
+        """The runner keeps the tokens sampled this step (the same on every rank); under MTP the
+        drafter proposes after each (:class:`Draft`, in ``inst.drafts``)."""
         for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
             if toks and req_id in self.requests:
-                self.requests[req_id].output_token_ids.extend(toks)
+                st = self.requests[req_id]
+                if self.inst.mtp and req_id in self.draft_ok:
+                    seq = (*self._tokens(st), *toks)
+                    self.inst.drafts.append(Draft(self.rank, self.inst.steps, req_id, len(st.output_token_ids), seq, self.draft_ok[req_id]))
+                st.output_token_ids.extend(toks)
 
     def _forward(self) -> None:
         rt = setup_runtime()
@@ -248,3 +299,23 @@ class _RankStep:
                     self.inst.attention_op(_torch.zeros(1), name)
         finally:
             self.in_forward = False
+
+    def _input_fits_in_drafter(self, so) -> bool:
+        """The runners' rule for drafting a step at all (vllm-ascend 0.30's ``_input_fits_in_drafter``,
+        vLLM's ``input_fits_in_drafter``): the longest sequence of the batch plus the draft tokens
+        fits the model length; else no MTP layer runs that step."""
+        longest = max(self.requests[r].num_computed_tokens + so.num_scheduled_tokens[r] for r in self.input_batch.req_ids)
+        return longest + self.inst.mtp <= self.inst.max_model_len
+
+    def _draft(self) -> None:
+        """The stand-in drafter (MTP), after the target's forward, with the connector's metadata still
+        bound (``defer_finalize``, as vLLM's runners draft after sampling): the MTP layer runs once per
+        draft token; its first pass reads and writes the KV of the step's tokens (:meth:`attention`);
+        the proposal is formed with the sampled token (:meth:`accept`)."""
+        # a draft replayed as a captured graph (``draft_graph``) runs the layer's compute only: no
+        # Python wrapper, so no connector hook (vLLM's maybe_transfer_kv_layer) around it
+        op = self.attention if self.inst.draft_graph else self.inst.attention_op
+        for self.draft_pass in range(self.inst.mtp):
+            for name in self.inst.mtp_layers:
+                op(_torch.zeros(1), name)
+        self.draft_pass = 0
