@@ -5,7 +5,8 @@ Target   vllm_ascend...ascend_store.pool_worker: KVPoolWorker._init_layerwise_co
          the map of each physical layer to the (group, layer-in-group) slots the pool saves and loads
          with it, and the per-layer task lists); ...ascend_store.ascend_store_connector:
          AscendStoreConnector.wait_for_save (``mtp_step_end``: the step's end, after the drafter --
-         vLLM's ``finalize_kv_connector`` under speculative decoding).
+         vLLM's ``finalize_kv_connector`` under speculative decoding), .save_kv_layer and
+         .wait_for_layer_load (``mtp_step_end``: the MTP layer's load, before the drafter).
 Versions ``mtp_layer``: vLLM >=0.25,<0.26 with vllm-ascend 0.25.1rc1 (vllm-ascend 0.26.0rc1 and
          0.30.0rc2 map an MTP layer to ``num_hidden_layers + K`` themselves: members mtp_layer_026 /
          mtp_layer_030 read it). ``mtp_step_end``: every pair (vllm-ascend 0.25.1rc1, 0.26.0rc1,
@@ -27,7 +28,11 @@ Why      Under MTP (Qwen3.5's ``qwen3_5_mtp``, Qwen3-Next's ``qwen3_next_mtp``) 
          reaches its final-layer save: the end-of-step wait and the clearing of the layer save events
          never run, and the next step's first save finds its event still set -- the layer sending
          thread stops on its "save failed" assertion (0.25: logged, that save lost; 0.26 / 0.30: the
-         worker raises and the engine stops).
+         worker raises and the engine stops). The same holds in every step where the drafter runs
+         as a replayed graph (no Python wrapper, so no connector hook around its MTP layer), and
+         there the MTP layer's load was never waited for before the draft read it: on 0.25.1rc1,
+         whose layer loads are submitted by their own wait, the draft reads the hit's MTP blocks
+         before their load (harness: 0 of 3 right, 0 draft tokens accepted; tokens right).
 How      ``mtp_layer``: after the original builds the map, each MTP slot (a layer named ``mtp.K`` /
          ``mtp.layers.K``) moves from the physical layer upstream gave it to ``num_hidden_layers + K``,
          and the worker's layer count and task lists grow to cover it: the MTP layer's first hook call
@@ -36,9 +41,10 @@ How      ``mtp_layer``: after the original builds the map, each MTP slot (a laye
          sizes and the slot layout inside a key are upstream's (the MTP slot keeps its place in its
          group): instances with and without the patch read each other's keys; only the MTP slot's
          bytes differ (right with the patch).
-         ``mtp_step_end``: at the step's end, when the forward passed the target's last layer and
-         stopped before the worker's last (no MTP hook came), the connector runs the remaining layers'
-         load wait and save itself (``steps_without_draft`` counts them). Their keys are finished as
+         ``mtp_step_end``: once the target's last layer is saved, the connector waits for the MTP
+         layer's load (the draft reads it next, hooks or not) and its own wait for that layer does
+         not wait again; at the step's end, when no MTP hook came, the connector runs the MTP layer's
+         save itself, after the draft wrote its KV (``steps_without_draft`` counts those steps). Their keys are finished as
          every step's are; the MTP slot holds what the instance's own cache holds -- no draft KV for
          that step's tokens, which the instance's own later drafts read too: acceptance only.
 Removal  ``mtp_layer``: when 0.25's own ``_extract_physical_layer_index`` maps ``mtp.layers.0`` past the
@@ -167,6 +173,49 @@ def moved_mtp(original):
     return _init_layerwise_config
 
 
+#: the connector attribute marking the MTP layer's load as waited for early: (step's metadata id, layer)
+EARLY = "_alp_mtp_load_waited"
+
+
+def _save_role(connector) -> bool:
+    return connector.use_layerwise and connector.kv_role != "kv_consumer"
+
+
+def _waited_early(connector, worker) -> bool:
+    """Pops the mark: True when this step's MTP layer load at ``worker.current_layer`` was waited for."""
+    mark = connector.__dict__.pop(EARLY, None)
+    return mark is not None and mark == (id(connector._get_connector_metadata()), worker.current_layer)
+
+
+def load_before_draft(original):
+    """The connector's ``save_kv_layer`` that, once the target's last layer is saved, waits for the MTP
+    layer's load: the draft reads the hit's MTP KV next, whether its own hooks run or not (a draft
+    replayed as a graph runs none)."""
+
+    @functools.wraps(original)
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        original(self, layer_name, kv_layer, attn_metadata, **kwargs)
+        worker = getattr(self, "connector_worker", None)
+        if worker is not None and _save_role(self) and target_done(worker):
+            worker.wait_for_layer_load()
+            self.__dict__[EARLY] = (id(self._get_connector_metadata()), worker.current_layer)
+
+    return save_kv_layer
+
+
+def skip_waited_load(original):
+    """The connector's ``wait_for_layer_load`` that does not wait again for a load waited for early."""
+
+    @functools.wraps(original)
+    def wait_for_layer_load(self, layer_name):
+        worker = getattr(self, "connector_worker", None)
+        if worker is not None and EARLY in self.__dict__ and _waited_early(self, worker):
+            return None
+        return original(self, layer_name)
+
+    return wait_for_layer_load
+
+
 def finish_undrafted_step(original):
     """The connector's ``wait_for_save`` (the step's end, after the drafter) that first runs the MTP
     layer's hooks of a step whose drafter never came."""
@@ -174,30 +223,53 @@ def finish_undrafted_step(original):
     @functools.wraps(original)
     def wait_for_save(self):
         worker = getattr(self, "connector_worker", None)
-        if worker is not None and self.use_layerwise and self.kv_role != "kv_consumer" and undrafted(worker):
+        if worker is not None and _save_role(self) and undrafted(worker):
             _COUNTS.add("steps_without_draft")
             metadata = self._get_connector_metadata()
             while worker.current_layer < worker.num_layers:
-                worker.wait_for_layer_load()
+                if not _waited_early(self, worker):
+                    worker.wait_for_layer_load()
                 worker.save_kv_layer(metadata)
+        self.__dict__.pop(EARLY, None)
         return original(self)
 
     return wait_for_save
 
 
+def target_done(worker) -> bool:
+    """The target's last layer has just been saved; the MTP layer(s) have not run."""
+    return undrafted(worker) and worker.current_layer == _hidden(worker)
+
+
+def _hidden(worker):
+    return getattr(getattr(worker, "hf_config", None), "num_hidden_layers", None)
+
+
 def undrafted(worker) -> bool:
-    """The step's forward passed the target's last layer and stopped before the worker's last one:
-    the MTP layer(s) the worker counts after the target's never came (the drafter did not run)."""
-    hidden = getattr(getattr(worker, "hf_config", None), "num_hidden_layers", None)
+    """The step's forward passed the target's last layer and not the worker's last one: the MTP
+    layer(s) the worker counts after the target's have not run (yet, or at all this step)."""
+    hidden = _hidden(worker)
     return isinstance(hidden, int) and hidden <= worker.current_layer < worker.num_layers
 
 
 counters = _COUNTS.snapshot
 
 
-def _check_wait_for_save(original) -> str | None:
-    if _params(original) != ["self"]:
-        return f"AscendStoreConnector.wait_for_save parameters are {_params(original)}"
+#: the connector methods the group wraps, with the parameters it calls them with
+CONNECTOR_PARAMS = {
+    "wait_for_save": ["self"],
+    "save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata", "kwargs"],
+    "wait_for_layer_load": ["self", "layer_name"],
+}
+
+
+def _check_step_end(_original) -> str | None:
+    """One check for every member (a group applies whole): the three connector methods it wraps, the
+    worker's layer hooks it calls and their layer count."""
+    connector = lookup(CONNECTOR)
+    for name, params in CONNECTOR_PARAMS.items():
+        if _params(getattr(connector, name)) != params:
+            return f"AscendStoreConnector.{name} parameters are {_params(getattr(connector, name))}, expected {params}"
     if not callable(getattr(lookup(CONNECTOR), "_get_connector_metadata", None)):
         return "AscendStoreConnector._get_connector_metadata is gone"
     worker = lookup(WORKER)
@@ -210,8 +282,8 @@ def _check_wait_for_save(original) -> str | None:
     return None
 
 
-def _step_end_fixed(original) -> str | None:
-    text = source(original)
+def _step_end_fixed(_original) -> str | None:
+    text = source(lookup(CONNECTOR).wait_for_save)
     if text and "current_layer" in text and "save_kv_layer" in text:
         return "the connector's wait_for_save already finishes the step's remaining layers"
     return None
@@ -260,12 +332,20 @@ STEP_END_GROUP = Group(
     ported_to=((V029_030, "member mtp_step_end_030 (the same wrapper on 0.30's connector)"),),
     risk="a step whose drafter did not run leaves the layer sending thread's events set: its next save stops on 'save failed'",
     why="a step whose drafter did not run still runs the MTP layer's load wait and save at the step's end (the final-layer wait, its keys finished)",
-    precondition=_check_wait_for_save,
+    precondition=_check_step_end,
     fixed_upstream=_step_end_fixed,
     counters=counters,
 )
 
 STEP_END_SPECS = (
     STEP_END_GROUP.spec("mtp_step_end", f"{CONNECTOR}.wait_for_save", finish_undrafted_step),
+    STEP_END_GROUP.spec("mtp_load_before_draft", f"{CONNECTOR}.save_kv_layer", load_before_draft),
+    STEP_END_GROUP.spec("mtp_load_waited", f"{CONNECTOR}.wait_for_layer_load", skip_waited_load),
     STEP_END_GROUP.spec("mtp_step_end_030", f"{CONNECTOR}.wait_for_save", finish_undrafted_step, ranges=V029_030, after=("mtp_step_end",)),
+    STEP_END_GROUP.spec(
+        "mtp_load_before_draft_030", f"{CONNECTOR}.save_kv_layer", load_before_draft, ranges=V029_030, after=("mtp_load_before_draft",)
+    ),
+    STEP_END_GROUP.spec(
+        "mtp_load_waited_030", f"{CONNECTOR}.wait_for_layer_load", skip_waited_load, ranges=V029_030, after=("mtp_load_waited",)
+    ),
 )
