@@ -128,6 +128,7 @@ SPECS = tuple(
         "load_fail_agree",
         "load_fail_agree_drop",
         "load_fail_wait",
+        "load_fail_fence_first",
         "load_fail_policy",
         "load_fail_rollback",
         "load_fail_rollback_frames",

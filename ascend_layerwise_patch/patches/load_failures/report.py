@@ -183,6 +183,26 @@ def _fence(worker, recv, state: _Recv) -> None:
     _failed_load.late_copy_fence(worker, recv, wake=state.idle)
 
 
+def make_fence_first(original):
+    """``start_load_kv`` that, in the step after a load was abandoned, passes the late-copy fence
+    first. The runner's bulk mamba pre-copy (the rows with no load this step) writes this step's
+    blocks right after ``start_load_kv``, before the first layer's wait where :func:`make_wait`'s
+    fence runs: a late copy landing between the two overwrote a block vLLM had just given another
+    request (pool harness: request c's GDN state read 'other' after b's gated load timed out, once
+    in a loaded CI run). The wait's own fence then finds the thread idle."""
+
+    @functools.wraps(original)
+    def start_load_kv(self, metadata):
+        step = self.__dict__.get(_STEP)
+        recv = self.kv_recv_thread
+        late = (step is not None and step.late) or self.__dict__.get(_failed_load.LATE_ANYWHERE)
+        if late and self.use_gva_layerwise and recv is not None:
+            _fence(self, recv, _recv(recv))
+        return original(self, metadata)
+
+    return start_load_kv
+
+
 def make_wait(original):
     names = original.__globals__
 
@@ -378,6 +398,14 @@ SPECS = (
         make_wait,
         precondition=_wait_ok,
         fixed_upstream=_upstream_reports,
+    ),
+    GROUP.spec(
+        "load_fail_fence_first",
+        f"{STORE}.pool_worker:KVPoolWorker.start_load_kv",
+        make_fence_first,
+        precondition=_expects(["self", "metadata"]),
+        fixed_upstream=_upstream_reports,
+        after=("mamba_worker_events", "load_fail_drop_later_saves"),
     ),
     GROUP.spec(
         "load_fail_scheduler",
