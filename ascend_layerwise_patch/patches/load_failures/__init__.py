@@ -55,8 +55,10 @@ Policy   Use ``kv_load_failure_policy: recompute`` with a layerwise pool (vLLM's
 Late     A copy already inside MemCache when the wait gives up cannot be recalled; it writes into
          the blocks its load was given, which the rollback frees and vLLM may give to any request
          from the next schedule on (a copy landing after that request computed them: wrong tokens
-         for a request that never touched the pool). The step after an abandoned load waits at its
-         first layer, before computing anything, until the receiving thread is idle (the late-copy
+         for a request that never touched the pool). The step after an abandoned load waits in
+         ``start_load_kv`` (``load_fail_fence_first``: before the runner's bulk align pre-copy,
+         which writes the step's blocks ahead of the first layer; the first layer's wait fences
+         again), before writing anything, until the receiving thread is idle (the late-copy
          fence, ``_failed_load.late_copy_fence``, at most ``LATE_COPY_S`` = 30 s,
          ``ASCEND_LAYERWISE_PATCH_LATE_COPY_S``); at TP > 1 the agreement tells every rank of an
          abandoned load on any rank and the ranks agree on the fence's outcome. A copy that never
