@@ -66,8 +66,6 @@ WORKER = f"{STORE}.pool_worker:KVPoolWorker"
 CONNECTOR = f"{STORE}.ascend_store_connector:AscendStoreConnector"
 #: an MTP draft layer's name: ``mtp.K.`` or ``mtp.layers.K.`` (Qwen3-Next / Qwen3.5 MTP modules)
 MTP_NAME = re.compile(r"(?:^|\.)mtp(?:\.layers)?\.(\d+)(?:\.|$)")
-#: the instance attribute naming the MTP layers this worker moved ({physical layer: name})
-MOVED = "_alp_mtp_layers"
 
 _COUNTS = Counts("mtp_layers_moved", "steps_without_draft")
 
@@ -115,7 +113,7 @@ def _slots(worker) -> list[tuple[int, int, int, str]]:
     """Each MTP slot of the worker's map, as upstream numbered it: (group, layer in group, upstream's
     physical layer, name); upstream numbers a group's physical layers in the order its names first
     give them (``_init_layerwise_config``)."""
-    hidden = getattr(worker.hf_config, "num_hidden_layers", worker.num_layers)
+    hidden = _hidden(worker) or worker.num_layers
     slots = []
     for group_id, group in enumerate(worker.kv_cache_config.kv_cache_groups):
         order: dict[int, int] = {}
@@ -137,7 +135,7 @@ def moved_mtp(original):
         original(self)
         if self.kv_cache_config is None or self.num_kv_cache_groups <= 1:
             return  # one group: upstream counts the MTP layer in num_layers itself (register_kv_caches)
-        hidden = getattr(self.hf_config, "num_hidden_layers", self.num_layers)
+        hidden = _hidden(self) or self.num_layers
         if self.num_layers != hidden:  # a pipeline stage: the MTP layer is the last stage's
             return
         mapping = self.physical_layer_to_group_layers
@@ -167,7 +165,6 @@ def moved_mtp(original):
         self.layer_load_tasks.extend([] for _ in range(count - self.num_layers))
         self.layer_save_tasks.extend([] for _ in range(count - self.num_layers))
         self.num_layers = count
-        setattr(self, MOVED, dict(moved))
         _COUNTS.add("mtp_layers_moved", len(moved))
 
     return _init_layerwise_config
@@ -270,7 +267,7 @@ def _check_step_end(_original) -> str | None:
     for name, params in CONNECTOR_PARAMS.items():
         if _params(getattr(connector, name)) != params:
             return f"AscendStoreConnector.{name} parameters are {_params(getattr(connector, name))}, expected {params}"
-    if not callable(getattr(lookup(CONNECTOR), "_get_connector_metadata", None)):
+    if not callable(getattr(connector, "_get_connector_metadata", None)):
         return "AscendStoreConnector._get_connector_metadata is gone"
     worker = lookup(WORKER)
     for name, params in (("wait_for_layer_load", ["self"]), ("save_kv_layer", ["self", "connector_metadata"])):
