@@ -56,6 +56,7 @@ pool_load_wait_bound    pool_load_recovery   0.30: a layerwise pool load copy th
 pool_load_recovery_policy pool_load_recovery 0.30: vllm-ascend refused kv_load_failure_policy=recompute for hybrid models
 mtp_layer               mtp_layer            under MTP the draft layer's pool KV was saved with layer 0, before the drafter wrote it
 mtp_step_end            mtp_layer            under MTP a step whose drafter did not run broke the layer sending thread ('save failed')
+mtp_decode_saves        mtp_decode_saves     save_decode_cache under MTP pooled decode blocks' GDN states before the align postprocess wrote them
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from . import (
     mamba_lifetime,
     mamba_local_hit,
     mamba_pool_hit,
+    mtp_decode_saves,
     mtp_layer,
     pool_hit_boundary,
     pool_key_layout,
@@ -103,4 +105,5 @@ SPECS = (
     *pool_metrics_030.SPECS,
     *mtp_layer.SPECS,
     *mtp_layer.STEP_END_SPECS,
+    *mtp_decode_saves.SPECS,
 )

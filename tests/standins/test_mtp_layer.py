@@ -5,10 +5,14 @@ model's attention layer ``mtp.layers.0.self_attn.attn`` in the KV cache (vLLM pu
 attention group) and a stand-in drafter that runs as the runners draft: after the target's forward,
 inside the connector's bound metadata (``defer_finalize``), the MTP layer once per draft token, then
 ``finalize_kv_connector``; none in a step whose batch does not fit the drafter (the runners'
-``input_fits_in_drafter`` rule). Its proposals are right only where its first pass read right MTP KV
-(on every rank) and the target's hidden state was right, and are verified against the tokens the
-target samples next (``PoolInstance.acceptance``); drafts are not scheduled as speculative tokens
-(the target's tokens are what a lossless spec decode yields; see the closing note of issue 33).
+``input_fits_in_drafter`` rule: zeros are proposed). Its proposals are right only where its first
+pass read right MTP KV (on every rank) and the target's hidden state was right. They are scheduled as
+speculative tokens (sync scheduling: ``update_draft_token_ids`` after the step, as
+``EngineCore.post_step``; async scheduling: the scheduler's placeholders, the runner's own drafts,
+the rejected ones taken back at the next step) and verified as vLLM's rejection sampler does; the
+GDN layers read and write their per-draft state slots and the align postprocess copies the accepted
+state (``harness_pool.rank_step``). ``PoolInstance.acceptance`` counts each proposal's draft tokens
+that the target's tokens confirm.
 
 - A pool hit under MTP: A prefills 48 tokens (as vLLM chunks them, or in 16-token chunks), B asks them plus 5 on a
   second instance. B's tokens are those of a run without the pool, no GDN / attention / MTP read is
@@ -48,15 +52,18 @@ MAX_TOKENS = 12
 RESUMED = {"v0251": {0: 48, 16: 48}, "v0260": {0: 32, 16: 32}, "v0300": {0: 48, 16: 48}}
 
 
-def _reference(k: int) -> dict:
-    """B alone on an instance without the pool, with the same drafter."""
-    ref = PoolInstance(None, name="reference", mtp=k)
+def _reference(k: int, async_: bool = False) -> dict:
+    """B alone on an instance without the pool, with the same drafter and scheduling."""
+    ref = PoolInstance(None, name="reference", mtp=k, async_scheduling=async_)
     req = ref.add_request("b", B, max_tokens=MAX_TOKENS)
     engine_loop(ref)
     return {"tokens": list(req.output_token_ids), "acceptance": ref.acceptance("b")}
 
 
-def _hit(k: int, chunk: int, tp: int = 1, **kw) -> dict:
+def _hit(k: int, chunk: int, tp: int = 1, async_: bool = False, **kw) -> dict:
+    kw["async_scheduling"] = async_
+    if async_:  # two steps' sends open at once: a block pool of 64 sheds A's last chunk (send_shedding's
+        kw.setdefault("num_blocks", 128)  # bound, half the pool: MTP 3's speculative blocks count too)
     pool = make_pool()
     a = PoolInstance(pool, name="A", mtp=k, tp=tp, long_prefill_token_threshold=chunk, **kw)
     try:
@@ -86,17 +93,18 @@ def _hit(k: int, chunk: int, tp: int = 1, **kw) -> dict:
 #: library off there too (test_030_... below runs one with it off)
 _VOUCH = pytest.mark.control("v0300: vllm-ascend 0.30.0rc2 keys the MTP layer after the target's itself (mtp_layer_030)")
 CASES = [
-    pytest.param(k, chunk, tp, id=f"mtp{k}-chunk{chunk or 'vllm'}-tp{tp}", marks=[_VOUCH] if PAIR == "v0300" else [])
-    for k, chunk, tp in [(1, 0, 1), (1, 16, 1), (3, 0, 1), (3, 16, 1), (3, 16, 2)]
+    pytest.param(k, chunk, tp, async_, id=f"mtp{k}-chunk{chunk or 'vllm'}-tp{tp}" + ("-async" if async_ else ""), marks=[_VOUCH] if PAIR == "v0300" else [])
+    for k, chunk, tp, async_ in [(1, 0, 1, False), (1, 16, 1, False), (3, 0, 1, False), (3, 16, 1, False), (3, 16, 2, False), (3, 0, 1, True), (3, 16, 2, True)]
 ]
 
 
-@pytest.mark.parametrize("k,chunk,tp", CASES)
-def test_an_mtp_pool_hit_serves_what_the_run_without_the_pool_serves(k, chunk, tp):
-    ref = _reference(k)
-    on = _hit(k, chunk, tp)
+@pytest.mark.parametrize("k,chunk,tp,async_", CASES)
+def test_an_mtp_pool_hit_serves_what_the_run_without_the_pool_serves(k, chunk, tp, async_):
+    """Sync scheduling and async scheduling (vLLM's default), TP 1 and 2 (one process per rank)."""
+    ref = _reference(k, async_)
+    on = _hit(k, chunk, tp, async_)
     how = "vLLM's chunks" if not chunk else f"{chunk}-token chunks"
-    print(f"\n{PAIR}, MTP {k}, A prefilled in {how}, TP {tp}: "
+    print(f"\n{PAIR}, MTP {k}, A prefilled in {how}, TP {tp}, {'async' if async_ else 'sync'} scheduling: "
           f"B resumed at {on['resumed']}, MTP reads on the hit right {on['hit_mtp_reads'][0]} of {on['hit_mtp_reads'][1]}, "
           f"wrong reads {on['wrong']}, acceptance {on['acceptance']} (without the pool {ref['acceptance']})")
     assert on["resumed"] == RESUMED[PAIR][chunk], on

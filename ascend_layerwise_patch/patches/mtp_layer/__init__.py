@@ -20,8 +20,8 @@ Why      Under MTP (Qwen3.5's ``qwen3_5_mtp``, Qwen3-Next's ``qwen3_next_mtp``) 
          step's MTP KV. Every key holds stale MTP KV, every pool hit loads it, and the draft attends
          over it for the rest of the request: tokens stay right (the target verifies), acceptance is
          lost. Pool harness (tests/standins/test_mtp_layer.py, MTP 3): group off, B's MTP layer reads
-         its 3 hit blocks wrong and 0 draft tokens are accepted where the run without the pool accepts
-         15 of 30; on, 0 wrong and 15 of 30.
+         its 3 hit blocks wrong and 0 of 30 draft tokens are accepted where the run without the pool
+         accepts 5 of 20 (drafts scheduled and verified as speculative tokens); on, 0 wrong and 5 of 20.
          ``mtp_step_end``: the runners skip the drafter in a step whose batch does not fit it (a
          sequence reaching the model length: vLLM's ``input_fits_in_drafter``, vllm-ascend 0.30's
          ``_skip_drafting``). The worker counts the MTP layer as the step's last, so that step never

@@ -64,10 +64,15 @@ Stood in for, and why:
   deferred ``finalize_kv_connector`` (skipped where the batch does not fit the drafter, as the
   runners skip it); its proposals (:class:`~harness_pool.rank_step.Draft`) are the true continuation
   at about 3 of 4 positions when its first pass read right KV on every rank, else nothing the
-  target samples, and are verified against the target's next tokens (``PoolInstance.acceptance``).
-  Drafts are not scheduled as speculative tokens: the target's tokens are what a lossless spec
-  decode yields, and the scheduler's speculative slots and the GDN layers' per-draft states are not
-  modelled;
+  target samples. They are scheduled as speculative tokens (sync scheduling:
+  ``update_draft_token_ids`` after the step, as ``EngineCore.post_step``; async: the scheduler's
+  placeholders stand for the runner's own last proposals, and the runner takes the rejected ones
+  back at the next step) and verified as vLLM's rejection sampler does at temperature 0; a GDN layer
+  of a speculative step reads the state slot of the last accepted token (the temporal state of the
+  running block + ``num_accepted - 1``, the conv window at that row offset: :mod:`~harness_pool.model`)
+  and writes one per draft, and the align postprocess after sampling copies the accepted state to a
+  block boundary the accepted tokens crossed (``_RankStep._postprocess``).
+  ``PoolInstance.acceptance`` counts each proposal's tokens that the target's tokens confirm;
 - the model's compute: a GDN layer "computes" when the original ``_forward_core`` first reads its
   state (``self.kv_cache[1]``): the harness records what the state block of each request holds
   (a :class:`GDNRead`), writes the state after this step's tokens, and stops the original there

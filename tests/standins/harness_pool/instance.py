@@ -192,6 +192,7 @@ class PoolInstance:
         self.kv_outputs: list = []
         self.steps = 0
         self.outputs: dict[str, list[int]] = {}
+        self.max_tokens: dict[str, int] = {}
         self.after_schedule = None  # callable(inst, scheduler_output): runs before the ranks execute
         #: callable(inst, scheduler_output, output): runs on the aggregated output before the scheduler
         #: is updated from it (EngineCore.step; sync scheduling only), e.g. to add a connector report
@@ -210,6 +211,11 @@ class PoolInstance:
         self.procs = self._current_rank = None
         if processes is None:
             processes = tp > 1
+        if mtp and tp > 1 and not processes:
+            raise ValueError("MTP at TP > 1 needs one process per rank: a speculative step's verification reads the all-reduced hidden state")
+        #: under MTP, the draft tokens the runner proposed at the last step, by request (the engine
+        #: hands them to the scheduler after it, as EngineCore.post_step does with sync scheduling)
+        self.proposals: dict[str, list[int]] = {}
         if processes:  # vLLM's MultiprocExecutor: each rank's state lives in its own process
             self.ranks = []
             self.procs = rank_procs.RankProcesses(self, _Rank)
@@ -247,6 +253,7 @@ class PoolInstance:
         from vllm.v1.request import Request
 
         request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, block_hasher=self.hasher)
+        self.max_tokens[req_id] = max_tokens
         self.scheduler.add_request(request)
         return request
 
@@ -288,6 +295,10 @@ class PoolInstance:
             self.after_schedule(self, so)
         output = self._execute(so, before_update=self.before_update)
         self.scheduler.update_from_output(so, output)
+        if self.proposals and so.total_num_scheduled_tokens:  # EngineCore.post_step (sync scheduling)
+            from vllm.v1.outputs import DraftTokenIds
+
+            self.scheduler.update_draft_token_ids(DraftTokenIds(list(self.proposals), [list(p) for p in self.proposals.values()]))
         return so
 
     def _run_ranks(self, so) -> list:
@@ -325,14 +336,26 @@ class PoolInstance:
 
     def _execute(self, so, before_update=None):
         """Every rank executes ``so``; the aggregated output (what the executor's future yields)."""
+        first_draft = len(self.drafts)
         outputs = self._run_ranks(so)
         output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
+        if self.mtp:  # the runner's draft tokens: the drafter's proposal (right on every rank), or zeros
+            drafted = {}
+            for d in self.drafts[first_draft:]:
+                drafted[d.req_id] = drafted.get(d.req_id, d)._replace(ok=drafted.get(d.req_id, d).ok and d.ok)
+            self.proposals = {
+                r: drafted[r].proposal(self.mtp) if r in drafted else [0] * self.mtp
+                for r, toks in zip(output.req_ids, output.sampled_token_ids)
+                if toks
+            }
         if before_update is not None:  # sync scheduling: a hook on the output before the scheduler sees it
             before_update(self, so, output)
         self.kv_outputs.append(output.kv_connector_output)  # what the scheduler is told, per step
         for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
             if toks:
-                self.outputs.setdefault(req_id, []).extend(toks)
+                # a speculative step's tokens past max_tokens are dropped (the scheduler's stop check)
+                got = self.outputs.setdefault(req_id, [])
+                got.extend(toks[: max(0, self.max_tokens.get(req_id, len(got) + len(toks)) - len(got))])
         self.steps += 1  # counts executed batches (the step index of every read)
         return output
 

@@ -77,3 +77,32 @@ def draft_tokens(tokens, k: int, ok: bool) -> list[int]:
         out.append(true if right else DRAFT_MISS_TOKEN + j)
         seq.append(true)
     return out
+
+
+# -------------------------------------------------------------- a GDN state's two tensors
+# A GDN layer's state block holds a conv state (SD layout: ``CONV_ROWS`` rows of positions, each row
+# the layer's dim) and a temporal (SSM) state. The temporal state after ``n`` tokens is one value;
+# the conv state's row q holds the input of one position, the one ending token count ``c_q = n -
+# (CONV_WINDOW - 1) + q``: rows [0, CONV_WINDOW) are the window the kernel reads, the rows after it
+# the positions of the draft tokens a speculative step computes (vLLM's conv state is ``kernel - 1 +
+# num_speculative_tokens`` wide). So the copies vLLM makes of a speculative step's states mean what
+# they mean on a device: the temporal state of draft slot j is the state after ``n + j`` tokens, and
+# the conv state shifted by j rows (``get_conv_copy_spec``'s offset ``num_accepted - 1``) is the
+# window ending at ``n + j`` tokens. A read at offset o checks rows [o, o + CONV_WINDOW).
+CONV_ROWS = 8
+CONV_WINDOW = CONV_ROWS - 3  # room for 3 draft positions: the harness's MTP goes up to 3 tokens
+
+
+def conv_rows(seq, n: int, layer: int, rank_key, row_bytes: int) -> list[bytes]:
+    """The conv state's rows for the window ending at ``n`` tokens of ``seq`` (the rows after the
+    window cover ``seq``'s tokens after ``n``: a speculative step's drafts, or nothing known yet)."""
+    rows = []
+    for q in range(CONV_ROWS):
+        c = n - (CONV_WINDOW - 1) + q
+        rows.append(state_value(seq[: max(c, 0)], layer, f"{rank_key}/conv{c}", row_bytes))
+    return rows
+
+
+def temporal_value(seq, n: int, layer: int, rank_key, nbytes: int) -> bytes:
+    """The temporal (SSM) state after the first ``n`` tokens of ``seq``."""
+    return state_value(seq[:n], layer, f"{rank_key}/ssm", nbytes)

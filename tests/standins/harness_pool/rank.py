@@ -12,7 +12,7 @@ import torch as _torch
 import byte_store
 
 from . import timing
-from .model import state_value
+from .model import CONV_ROWS, CONV_WINDOW, conv_rows, state_value, temporal_value
 from .rank_step import _GDNComputed, _RankStep
 from .runtime import _HOST_REGIONS, _placements, _process_of_rank, setup_runtime
 from .timing import _ScaledWait
@@ -139,6 +139,15 @@ class _Rank(_RankStep):
         self.requests: dict[str, object] = {}
         self.mamba_state_idx: dict[str, int] = {}
         self.input_batch = _InputBatch(inst.max_num_seqs)
+        #: the accepted-token count each request's next GDN read starts from (the runner's
+        #: ``num_accepted_tokens``, by request: the batch's rows move between steps)
+        self.num_accepted: dict[str, int] = {}
+        #: the draft tokens this rank proposed at its last step, by request (the runner's
+        #: ``_draft_token_ids``: what async scheduling's placeholders stand for)
+        self.next_drafts: dict[str, list[int]] = {}
+        #: (draft tokens scheduled, accepted) of each request at this rank's previous step (async
+        #: scheduling: the scheduler counted them all as computed)
+        self.prev_spec: dict[str, tuple[int, int]] = {}
         make_buffer = lambda n, dtype: CpuGpuBuffer(n, dtype=dtype, device=_torch.device("cpu"), pin_memory=False)  # noqa: E731
         self.mamba_bufs = mamba_utils.MambaBuffers.create(
             max_num_reqs=inst.max_num_seqs,
@@ -180,6 +189,28 @@ class _Rank(_RankStep):
     def _block_bytes(tensors, block_id: int) -> bytes:
         return b"".join(t[block_id].contiguous().view(_torch.uint8).numpy().tobytes() for t in tensors)
 
+    def _write_gdn(self, tensors, conv_block: int | None, temporal_blocks: dict, seq, n: int, layer: int, key, corrupt=None) -> None:
+        """A GDN layer's state writes: the conv state (the window ending at ``n`` tokens of ``seq``)
+        into ``conv_block`` (None: none), the temporal state after ``m`` tokens into each
+        ``temporal_blocks[block] = m``; ``corrupt`` (an output hash): computed from a wrong read or
+        hidden state, the values of no token sequence."""
+        conv, ssm = tensors
+        tb = ssm[0].numel() * ssm[0].element_size()
+        if conv_block is not None:
+            rb = conv[0][0].numel() * conv[0].element_size()
+            assert conv.shape[1] == CONV_ROWS, f"the harness's conv state has {CONV_ROWS} rows, not {conv.shape[1]}"
+            if corrupt is None:
+                value = b"".join(conv_rows(seq, n, layer, key, rb))
+            else:
+                value = state_value([*seq[:n], -1, corrupt], layer, f"{key}/conv", rb * CONV_ROWS)
+            self._write_block([conv], conv_block, value)
+        for block_id, m in temporal_blocks.items():
+            if corrupt is None:
+                value = temporal_value(seq, m, layer, key, tb)
+            else:
+                value = state_value([*seq[:m], -1, corrupt], layer, f"{key}/ssm", tb)
+            self._write_block([ssm], block_id, value)
+
     @staticmethod
     def _write_block(tensors, block_id: int, value: bytes) -> None:
         off = 0
@@ -197,6 +228,26 @@ class _Rank(_RankStep):
         st = self.requests[req_id]
         block_id = st.block_ids[self.inst.group_of[layer_name]][block_index]
         cache = self.layers[layer_name].kv_cache
-        tensors = list(list.__iter__(cache)) if layer_name in self.inst.gdn_layers else cache
         layer, key = self.inst.layer_index[layer_name], self.rank_key(layer_name)
-        return self._decode(self._block_bytes(tensors, block_id), self._tokens(st), layer, key, block_id)
+        if layer_name in self.inst.gdn_layers:
+            return self._decode_gdn(list(list.__iter__(cache)), block_id, block_id, 0, self._tokens(st), layer, key)
+        return self._decode(self._block_bytes(cache, block_id), self._tokens(st), layer, key, block_id)
+
+    def _decode_gdn(self, tensors, conv_block: int, temporal_block: int, offset: int, tokens, layer: int, key) -> int | str:
+        """The tokens a GDN state covers, read as the kernel reads it: the temporal state of
+        ``temporal_block``, the conv window at row ``offset`` of ``conv_block``; both must name the
+        same count (else "other")."""
+        conv, ssm = tensors
+        if 0 in (conv_block, temporal_block):
+            return "null"
+        c_raw, t_raw = self._block_bytes([conv], conv_block), self._block_bytes([ssm], temporal_block)
+        if not any(c_raw) and not any(t_raw):
+            return "zero"
+        for t in range(len(tokens), -1, -1):
+            if temporal_value(tokens, t, layer, key, len(t_raw)) == t_raw:
+                break
+        else:
+            return "other"
+        rb = len(c_raw) // CONV_ROWS
+        window = [c_raw[(offset + i) * rb : (offset + i + 1) * rb] for i in range(CONV_WINDOW)]
+        return t if window == conv_rows(tokens, t, layer, key, rb)[:CONV_WINDOW] else "other"

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch as _torch
 
-from .model import _h40, draft_tokens, sample, state_value, true_hidden, true_output
+from .model import _h40, draft_tokens, next_token, sample, state_value, true_hidden, true_output
 from .runtime import _transfer_group, setup_runtime
 
 
@@ -50,6 +50,15 @@ class Draft(NamedTuple):
         return draft_tokens(self.tokens, k, self.ok)
 
 
+def _accepted(seq, running: int, k: int) -> int:
+    """How many of the ``k`` draft tokens after ``seq[:running]`` are the true continuation (the
+    number a target computing from right inputs accepts)."""
+    a = 0
+    while a < k and seq[running + a] == next_token(seq[: running + a]):
+        a += 1
+    return a
+
+
 class _GDNComputed(Exception):
     """Raised from the state read inside the original ``_forward_core``: the harness computed."""
 
@@ -63,31 +72,33 @@ class _RankStep:
         inst, so = self.inst, self.so
         layer = inst.layer_index[name]
         group = inst.group_of[name]
-        tensors = list.__iter__(self.layers[name].kv_cache)
-        tensors = list(tensors)
+        tensors = list(list.__iter__(self.layers[name].kv_cache))  # [conv, temporal]
         key = self.rank_key(name)
         bs = inst.block_size
         outputs = {}
         for req_id in self.input_batch.req_ids:
             st = self.requests[req_id]
-            tokens = self._tokens(st)
+            seq, running, k = self.step_seq[req_id]
             done, n = st.num_computed_tokens, so.num_scheduled_tokens[req_id]
-            idx = (done + n - 1) // bs  # mamba_get_block_table_tensor (align): the block GDN reads and writes
-            block_id = st.block_ids[group][idx]
-            nbytes = sum(t[0].numel() * t[0].element_size() for t in tensors)
+            ids = st.block_ids[group]
+            # mamba_get_block_table_tensor (align): the block of the step's last token holds the
+            # running state; a speculative step's draft slots are the blocks after it
+            idx = (done + n - 1) // bs
+            assert idx + k < len(ids), f"{req_id}: {k} draft slots after block {idx}, {len(ids)} blocks"
+            # a speculative step starts from the state the last step accepted: the temporal state of
+            # slot num_accepted - 1, the conv window at that row offset of the running block
+            o = self.num_accepted.get(req_id, 1) - 1 if k else 0
             ok, raw = True, b""
             if done > 0:  # has_initial_state
-                raw = self._block_bytes(tensors, block_id)
-                actual = self._decode(raw, tokens, layer, key, block_id)
-                inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, name, "gdn", idx, block_id, done, actual))
+                raw = self._block_bytes(tensors, ids[idx]) + self._block_bytes(tensors[1:], ids[idx + o])
+                actual = self._decode_gdn(tensors, ids[idx], ids[idx + o], o, self._tokens(st), layer, key)
+                inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, name, "gdn", idx + o, ids[idx + o], done, actual))
                 ok = actual == done
-            outputs[req_id] = out = self._layer_output(req_id, tokens[: done + n], layer, ok, raw)
-            value = state_value(tokens[: done + n], layer, key, nbytes)
-            if out is not None:  # computed on a wrong state or hidden state: so is everything after
-                value = state_value([*tokens[: done + n], -1, out], layer, key, nbytes)
-            if block_id == 0:  # vLLM's null block (BlockPool's first): shared by every request
+            outputs[req_id] = out = self._layer_output(req_id, seq[:running], layer, ok, raw)
+            written = {ids[idx + j]: running + j for j in range(k + 1)}
+            if 0 in written:  # vLLM's null block (BlockPool's first): shared by every request
                 inst.null_writes.append((inst.steps, req_id, name))
-            self._write_block(tensors, block_id, value)
+            self._write_gdn(tensors, ids[idx], written, seq, running, layer, key, corrupt=out)
         self._all_reduce(layer, outputs)
 
     def attention(self, query, layer_name):
@@ -101,7 +112,7 @@ class _RankStep:
     def _attend(self, layer_name) -> dict:
         """An attention layer's compute stand-in: reads every computed block of each request, writes
         this step's; this rank's output slice per request (None: the true one)."""
-        inst, so = self.inst, self.so
+        inst = self.inst
         layer = inst.layer_index[layer_name]
         group = inst.group_of[layer_name]
         k, v = self.layers[layer_name].kv_cache
@@ -112,7 +123,8 @@ class _RankStep:
         for req_id in self.input_batch.req_ids:
             st = self.requests[req_id]
             tokens = self._tokens(st)
-            done, n = st.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            seq, running, drafts = self.step_seq[req_id]
+            done = st.num_computed_tokens
             ok, raw = True, []
             for b in range(-(-done // bs)):
                 block_id = st.block_ids[group][b]
@@ -121,12 +133,14 @@ class _RankStep:
                 actual = self._decode(raw[-1], tokens, layer, key, block_id)
                 inst.reads.append(GDNRead(inst.name, self.rank, inst.steps, req_id, layer_name, "attn", b, block_id, want, actual))
                 ok = ok and actual == want
-            end = done + n
-            outputs[req_id] = out = self._layer_output(req_id, tokens[:end], layer, ok, b"".join(raw))
+            # a block holds the KV of every position computed so far whose input the target keeps (a
+            # rejected draft's slot is past the request's length: never read, rewritten later)
+            end = running + _accepted(seq, running, drafts)
+            outputs[req_id] = out = self._layer_output(req_id, seq[:running], layer, ok, b"".join(raw))
             for b in range(done // bs, -(-end // bs)):
                 upto = min((b + 1) * bs, end)
                 # the KV of this step's tokens is computed from the hidden state coming in
-                value = state_value(tokens[:upto], layer, key, nbytes) if out is None else state_value([*tokens[:upto], -1, out], layer, key, nbytes)
+                value = state_value(seq[:upto], layer, key, nbytes) if out is None else state_value([*seq[:upto], -1, out], layer, key, nbytes)
                 self._write_block((k, v), st.block_ids[group][b], value)
         return outputs
 
@@ -157,7 +171,7 @@ class _RankStep:
         when the ranks are processes; one rank's own slice otherwise (the instance sums the ranks'
         last hidden states when it samples, :meth:`PoolInstance._combine`)."""
         reqs = self.input_batch.req_ids
-        ends = {r: self._tokens(self.requests[r])[: self.requests[r].num_computed_tokens + self.so.num_scheduled_tokens[r]] for r in reqs}
+        ends = {r: self.step_seq[r][0][: self.step_seq[r][1]] for r in reqs}
         mine = [true_output(ends[r], layer, self.rank) if outputs[r] is None else outputs[r] for r in reqs]
         if self.group is None:
             for r, value in zip(reqs, mine):
@@ -176,7 +190,11 @@ class _RankStep:
 
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            for per_request in (self.num_accepted, self.next_drafts, self.prev_spec):
+                per_request.pop(req_id, None)
+        prev_spec, self.prev_spec = self.prev_spec, {}
         for new in so.scheduled_new_reqs:
+            self.num_accepted.pop(new.req_id, None)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
@@ -191,8 +209,15 @@ class _RankStep:
         for i, req_id in enumerate(cached.req_ids):
             st = self.requests[req_id]
             st.num_computed_tokens = cached.num_computed_tokens[i]
+            if self.inst.batch_queue_size and req_id in prev_spec and req_id not in cached.resumed_req_ids:
+                # async scheduling scheduled this step before it saw the last one's output, counting
+                # every draft token of it as computed: the runner takes the rejected ones back
+                # (vLLM's deferred spec decode correction, from the counts it sampled)
+                scheduled, accepted = prev_spec[req_id]
+                st.num_computed_tokens -= scheduled - accepted
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                self.num_accepted.pop(req_id, None)
                 st.block_ids = tuple(list(ids) for ids in new_ids)
                 st.output_token_ids = list(st.output_token_ids[: cached.num_output_tokens[i]])
                 continue
@@ -204,7 +229,21 @@ class _RankStep:
                 for ids, more in zip(st.block_ids, new_ids):
                     ids.extend(more)
         self.input_batch.req_ids = [r for r in so.num_scheduled_tokens if r in self.requests]
-        self.input_batch.num_accepted_tokens_cpu[:] = 1
+        for i, req_id in enumerate(self.input_batch.req_ids):
+            self.input_batch.num_accepted_tokens_cpu[i] = self.num_accepted.get(req_id, 1)
+        # each request's input this step: its tokens up to the running state, then the draft tokens
+        # scheduled to verify (async scheduling's placeholders are this rank's own last proposals)
+        self.step_seq = {}
+        for req_id in self.input_batch.req_ids:
+            st = self.requests[req_id]
+            drafts = list(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            if any(t < 0 for t in drafts):
+                own = self.next_drafts.get(req_id, [])
+                drafts = [own[j] if j < len(own) else 0 for j in range(len(drafts))]
+            running = st.num_computed_tokens + so.num_scheduled_tokens[req_id] - len(drafts)
+            tokens = self._tokens(st)
+            assert running <= len(tokens), f"{req_id}: runs to {running} tokens, has {len(tokens)}"
+            self.step_seq[req_id] = (tokens[:running] + drafts, running, len(drafts))
 
     def execute(self, so):
         rt = setup_runtime()
@@ -236,6 +275,8 @@ class _RankStep:
                 self.inst.copy_funcs,
                 bufs,
             )
+            for i, req_id in enumerate(self.input_batch.req_ids):  # a boundary copy resets it to 1
+                self.num_accepted[req_id] = int(self.input_batch.num_accepted_tokens_cpu[i])
             metadata = {name: GDNAttentionMetadata(1, 1, 0, 0, 0, 0, 1) for name in self.inst.gdn_layers}
             metadata.update({name: object() for name in [*self.inst.attn_layers, *self.inst.mtp_layers]})
             defer = self.config.speculative_config is not None
@@ -252,18 +293,14 @@ class _RankStep:
                 self._forward()
                 if staged is not None:
                     staged.finish_mamba_state_copy()
-            if defer:  # the runner's sample_tokens: the drafter, then the connector's deferred finalize
+            out_tokens = self._sample()
+            if defer:  # the runner's sample_tokens: the mamba postprocess, the drafter, the deferred finalize
+                self._postprocess(out_tokens)
                 self.draft_ok = {}
                 if self._input_fits_in_drafter(so):
                     with set_forward_context(metadata, self.config, slot_mapping={}):
                         self._draft()
                 rt.runner.finalize_kv_connector()
-        out_tokens = []
-        for req_id in self.input_batch.req_ids:
-            st = self.requests[req_id]
-            tokens = self._tokens(st)
-            end = st.num_computed_tokens + so.num_scheduled_tokens[req_id]
-            out_tokens.append([sample(tokens[:end], self.hidden[req_id], self.clean[req_id])] if end >= len(tokens) else [])
         return ModelRunnerOutput(
             req_ids=list(self.input_batch.req_ids),
             req_id_to_index={r: i for i, r in enumerate(self.input_batch.req_ids)},
@@ -271,15 +308,74 @@ class _RankStep:
             kv_connector_output=kv_output,
         )
 
+    def _sample(self) -> list[list[int]]:
+        """The tokens sampled for each request of the batch (none for a prefill chunk short of the
+        prompt's end). A speculative step is verified as vLLM's rejection sampler does at
+        temperature 0: the draft tokens the target agrees with, then the target's own token; from
+        a wrong hidden state, one token of no clean sequence."""
+        out = []
+        for req_id in self.input_batch.req_ids:
+            seq, running, k = self.step_seq[req_id]
+            hidden, clean = self.hidden[req_id], self.clean[req_id]
+            if running < len(self._tokens(self.requests[req_id])):
+                out.append([])
+            elif k and clean:
+                a = _accepted(seq, running, k)
+                out.append([*seq[running : running + a], sample(seq[: running + a], hidden, True)])
+            else:
+                out.append([sample(seq[:running], hidden, clean)])
+        return out
+
+    def _postprocess(self, out_tokens) -> None:
+        """vLLM's align-mode mamba postprocess after a speculative step (the runner's
+        ``postprocess_mamba_align_gpu``, the fused kernel the library swaps; here its decisions
+        and copies in torch on this rank's strided state views, as ``tests/interp`` checks the kernel
+        does them): each request's accepted-token count, and where the accepted tokens crossed a
+        block boundary the state at that boundary copied into the block it ends (the conv window
+        shifted by the accepted draft count, the temporal state of that draft's slot)."""
+        reqs = self.input_batch.req_ids
+        bs = self.inst.block_size
+        for i, req_id in enumerate(reqs):
+            seq, running, k = self.step_seq[req_id]
+            accepted = len(out_tokens[i]) if k and out_tokens[i] else 1
+            if k and out_tokens[i]:
+                self.prev_spec[req_id] = (k, accepted - 1)
+            new_computed = running + accepted - 1
+            boundary = new_computed // bs * bs
+            src = self.mamba_state_idx[req_id]
+            if boundary >= running:
+                bias, dest = boundary - running, boundary // bs - 1
+                if src == dest:
+                    accepted = 1
+                if src != dest or bias:
+                    self._copy_state(req_id, src, dest, bias)
+            self.num_accepted[req_id] = accepted
+
+    def _copy_state(self, req_id: str, src: int, dest: int, bias: int) -> None:
+        """One request's mamba state copy, every GDN layer: block ``src``'s conv rows from ``bias``
+        on to the top of block ``dest``, block ``src + bias``'s temporal state to block ``dest``."""
+        st = self.requests[req_id]
+        for name in self.inst.gdn_layers:
+            ids = st.block_ids[self.inst.group_of[name]]
+            conv, ssm = list.__iter__(self.layers[name].kv_cache)
+            rows = conv[ids[src], bias:].clone()
+            conv[ids[dest], : rows.shape[0]] = rows
+            ssm[ids[dest]] = ssm[ids[src + bias]].clone()
+
     def accept(self, output) -> None:
         """The runner keeps the tokens sampled this step (the same on every rank); under MTP the
-        drafter proposes after each (:class:`Draft`, in ``inst.drafts``)."""
+        drafter proposes after each (:class:`Draft`, in ``inst.drafts``), or, where it did not run,
+        zeros (vLLM's runners: no stale drafts are scheduled)."""
         for req_id, toks in zip(output.req_ids, output.sampled_token_ids):
             if toks and req_id in self.requests:
                 st = self.requests[req_id]
+                if self.inst.mtp:
+                    self.next_drafts[req_id] = [0] * self.inst.mtp
                 if self.inst.mtp and req_id in self.draft_ok:
                     seq = (*self._tokens(st), *toks)
-                    self.inst.drafts.append(Draft(self.rank, self.inst.steps, req_id, len(st.output_token_ids), seq, self.draft_ok[req_id]))
+                    draft = Draft(self.rank, self.inst.steps, req_id, len(st.output_token_ids) + len(toks) - 1, seq, self.draft_ok[req_id])
+                    self.inst.drafts.append(draft)
+                    self.next_drafts[req_id] = draft.proposal(self.inst.mtp)
                 st.output_token_ids.extend(toks)
 
     def _forward(self) -> None:
