@@ -94,7 +94,11 @@ def _hit(k: int, chunk: int, tp: int = 1, async_: bool = False, **kw) -> dict:
 _VOUCH = pytest.mark.control("v0300: vllm-ascend 0.30.0rc2 keys the MTP layer after the target's itself (mtp_layer_030)")
 CASES = [
     pytest.param(k, chunk, tp, async_, id=f"mtp{k}-chunk{chunk or 'vllm'}-tp{tp}" + ("-async" if async_ else ""), marks=[_VOUCH] if PAIR == "v0300" else [])
-    for k, chunk, tp, async_ in [(1, 0, 1, False), (1, 16, 1, False), (3, 0, 1, False), (3, 16, 1, False), (3, 16, 2, False), (3, 0, 1, True), (3, 16, 2, True)]
+    for k, chunk, tp, async_ in [
+        (1, 0, 1, False), (1, 16, 1, False), (1, 16, 2, False), (3, 0, 1, False), (3, 16, 1, False), (3, 16, 2, False),
+        (3, 0, 1, True), (3, 16, 2, True),
+        (3, 16, 8, True),  # the shape users serve: TP 8 over 2 KV heads, async scheduling, MTP 3
+    ]
 ]
 
 
