@@ -179,8 +179,15 @@ def _abandon(worker, step: _Step) -> None:
 
 def _fence(worker, recv, state: _Recv) -> None:
     """The late-copy fence (``_failed_load.late_copy_fence``: why, and how the TP ranks agree on it),
-    at the first layer of the step after a load was abandoned, before the step computes anything."""
+    in the step after a load was abandoned, before the step writes anything (``start_load_kv``, and
+    again at its first layer's wait)."""
     _failed_load.late_copy_fence(worker, recv, wake=state.idle)
+
+
+def _fence_owed(worker, step) -> bool:
+    """A load was abandoned (on this rank: ``step.late``; on any rank: the agreement's mark), so the
+    next step passes the fence first. One rule for both places that fence."""
+    return bool((step is not None and step.late) or worker.__dict__.get(_failed_load.LATE_ANYWHERE))
 
 
 def make_fence_first(original):
@@ -193,10 +200,8 @@ def make_fence_first(original):
 
     @functools.wraps(original)
     def start_load_kv(self, metadata):
-        step = self.__dict__.get(_STEP)
         recv = self.kv_recv_thread
-        late = (step is not None and step.late) or self.__dict__.get(_failed_load.LATE_ANYWHERE)
-        if late and self.use_gva_layerwise and recv is not None:
+        if _fence_owed(self, self.__dict__.get(_STEP)) and self.use_gva_layerwise and recv is not None:
             _fence(self, recv, _recv(recv))
         return original(self, metadata)
 
@@ -216,7 +221,7 @@ def make_wait(original):
         state = _recv(recv)
         if self.next_layer_to_submit == 0 and self.current_layer == 0:
             step = _begin_step(self)
-            if step.late or self.__dict__.get(_failed_load.LATE_ANYWHERE):
+            if _fence_owed(self, step):
                 _fence(self, recv, state)
                 for event in self.layer_load_finished_events:
                     event.clear()  # sets left by late or abandoned loads of earlier steps

@@ -340,9 +340,7 @@ class PoolInstance:
         outputs = self._run_ranks(so)
         output = self.aggregator.aggregate(outputs, 0) if self.aggregator is not None else outputs[0]
         if self.mtp:  # the runner's draft tokens: the drafter's proposal (right on every rank), or zeros
-            drafted = {}
-            for d in self.drafts[first_draft:]:
-                drafted[d.req_id] = drafted.get(d.req_id, d)._replace(ok=drafted.get(d.req_id, d).ok and d.ok)
+            drafted = {req_id: d for (_step, req_id, _pos), d in _by_proposal(self.drafts[first_draft:]).items()}
             self.proposals = {
                 r: drafted[r].proposal(self.mtp) if r in drafted else [0] * self.mtp
                 for r, toks in zip(output.req_ids, output.sampled_token_ids)
@@ -396,11 +394,7 @@ class PoolInstance:
         it equal the target's): ``proposed`` draft tokens that had a target token to meet, ``accepted``
         of them, over ``drafts`` proposals. A proposal is right only where its MTP reads were right on
         every rank (``Draft.ok``, combined over the ranks here)."""
-        by_proposal: dict = {}
-        for d in self.drafts:
-            if req_id is None or d.req_id == req_id:
-                key = (d.step, d.req_id, d.position)
-                by_proposal[key] = by_proposal.get(key, d)._replace(ok=by_proposal.get(key, d).ok and d.ok)
+        by_proposal = _by_proposal(d for d in self.drafts if req_id is None or d.req_id == req_id)
         proposed = accepted = 0
         for d in by_proposal.values():
             later = self.outputs.get(d.req_id, [])[d.position + 1 : d.position + 1 + self.mtp]
@@ -450,6 +444,16 @@ class PoolInstance:
         """``save_kv_layer``'s 10 s wait for the step's last layer lasts 10 s x ``timing.TIME_SCALE`` on
         every rank (its events become :class:`ScaledEvent` s, in the list the sending thread shares)."""
         self.on_ranks(_scale_save_wait)
+
+
+def _by_proposal(drafts) -> dict:
+    """The ranks' records of each proposal combined, by (step, request, position): right only where
+    every rank's MTP reads were right."""
+    combined: dict = {}
+    for d in drafts:
+        key = (d.step, d.req_id, d.position)
+        combined[key] = combined.get(key, d)._replace(ok=combined.get(key, d).ok and d.ok)
+    return combined
 
 
 def _contents(rank: _Rank, req_id: str, layers, block_index: int) -> list:

@@ -189,21 +189,20 @@ class _Rank(_RankStep):
     def _block_bytes(tensors, block_id: int) -> bytes:
         return b"".join(t[block_id].contiguous().view(_torch.uint8).numpy().tobytes() for t in tensors)
 
-    def _write_gdn(self, tensors, conv_block: int | None, temporal_blocks: dict, seq, n: int, layer: int, key, corrupt=None) -> None:
+    def _write_gdn(self, tensors, conv_block: int, temporal_blocks: dict, seq, n: int, layer: int, key, corrupt=None) -> None:
         """A GDN layer's state writes: the conv state (the window ending at ``n`` tokens of ``seq``)
-        into ``conv_block`` (None: none), the temporal state after ``m`` tokens into each
+        into ``conv_block``, the temporal state after ``m`` tokens into each
         ``temporal_blocks[block] = m``; ``corrupt`` (an output hash): computed from a wrong read or
         hidden state, the values of no token sequence."""
         conv, ssm = tensors
         tb = ssm[0].numel() * ssm[0].element_size()
-        if conv_block is not None:
-            rb = conv[0][0].numel() * conv[0].element_size()
-            assert conv.shape[1] == CONV_ROWS, f"the harness's conv state has {CONV_ROWS} rows, not {conv.shape[1]}"
-            if corrupt is None:
-                value = b"".join(conv_rows(seq, n, layer, key, rb))
-            else:
-                value = state_value([*seq[:n], -1, corrupt], layer, f"{key}/conv", rb * CONV_ROWS)
-            self._write_block([conv], conv_block, value)
+        rb = conv[0][0].numel() * conv[0].element_size()
+        assert conv.shape[1] == CONV_ROWS, f"the harness's conv state has {CONV_ROWS} rows, not {conv.shape[1]}"
+        if corrupt is None:
+            value = b"".join(conv_rows(seq, n, layer, key, rb))
+        else:
+            value = state_value([*seq[:n], -1, corrupt], layer, f"{key}/conv", rb * CONV_ROWS)
+        self._write_block([conv], conv_block, value)
         for block_id, m in temporal_blocks.items():
             if corrupt is None:
                 value = temporal_value(seq, m, layer, key, tb)
