@@ -72,11 +72,36 @@ install_ascend_sdist() {
     || { echo "env: installing vllm-ascend $ver from $tgz failed" >&2; exit 1; }
 }
 
+# MemCache (memcache-hybrid + memfabric-hybrid), as the pair's vllm-ascend asks for it: the version it
+# pins, else requirements/memcache.lock's. The pool harness runs on it (tests/standins/memcache_host).
+install_memcache() {
+  local venv=$1 pins
+  pins=$("$venv/bin/python" - <<'PY'
+import importlib.metadata as m, re
+want = {}
+for req in m.requires("vllm-ascend") or []:
+    name = re.split(r"[ ;=<>!~\[]", req, maxsplit=1)[0].replace("_", "-").lower()
+    pin = re.search(r"==\s*([\w.]+)", req)
+    if name in ("memcache-hybrid", "memfabric-hybrid") and pin:
+        want[name] = pin.group(1)
+print(" ".join(f"{k}=={v}" for k, v in sorted(want.items())))
+PY
+)
+  if [ -n "$pins" ]; then
+    say "$(basename "$venv"): installing MemCache as vllm-ascend pins it: $pins"
+    pip_q "$venv" --no-deps $pins
+  else
+    say "$(basename "$venv"): installing MemCache from requirements/memcache.lock (vllm-ascend pins no version)"
+    pip_q "$venv" --no-deps -r requirements/memcache.lock
+  fi
+  "$venv/bin/python" -c "import memcache_hybrid" || { echo "env: memcache_hybrid does not import in $venv" >&2; exit 1; }
+}
+
 build_pair() {
   local name=$1 line vllm ascend
   line=$(grep -E "^$name[[:space:]]" scripts/pairs.txt) || { echo "unknown pair $name (see scripts/pairs.txt)" >&2; exit 2; }
   read -r _ vllm ascend _ <<<"$line"
-  local venv=$root/$name want="vllm==$vllm vllm-ascend==$ascend"
+  local venv=$root/$name want="vllm==$vllm vllm-ascend==$ascend +mc$(sha1sum requirements/memcache.lock | cut -c1-8)"
   if [ "$ascend" != "-" ] && sdist_only "$ascend"; then want+=" +$(sha1sum requirements/sdist-pairs.lock | cut -c1-12)"; fi
   if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then
     [ -x "$venv/bin/ascend-layerwise-patch" ] || { say "$name: adding this package's console script"; install_self "$venv"; }
@@ -101,6 +126,7 @@ build_pair() {
     say "$name: downloading and installing ${pkgs[*]}"
     pip_q "$venv" --no-deps "${pkgs[@]}"
   fi
+  [ "$ascend" != "-" ] && install_memcache "$venv"
   say "$name: installing this package (editable: the console script ascend-layerwise-patch)"
   install_self "$venv"
   echo "$want" > "$venv/.done"

@@ -7,15 +7,20 @@ above that boundary (``MemcacheBackend``, the layer threads, ``KVPoolWorker`` / 
 is vllm-ascend's own code.
 
 What the service does, as MemCache's GVA API is used by the layerwise path:
-- ``batch_alloc(keys, sizes)``: one blob per new key (``MMC_DUPLICATED_OBJECT`` for a known key);
-  its GVA space is ``blob index << GVA_SHIFT``; the blob is *writing* (not visible) until finished.
+- ``batch_alloc(keys, sizes)``: one blob per new key, its GVA space ``blob index << GVA_SHIFT``; the
+  blob is *writing* (not visible) until finished. A key that is being written or ready gets its
+  existing address (MemCache's rule): writers of a key being written all copy into it (the last copy
+  wins); a copy into a ready key succeeds and changes nothing (the first finished bytes stay).
 - ``batch_copy(gvas, addrs, sizes, direction)``: real bytes, ``ctypes.memmove`` between the blob and
   host memory. Every range is bounds-checked: the GVA range must lie in its blob, the host range in
   a region the harness registered (the host tensors standing for the NPU caches). A bad range is a
   :class:`Violation` and the copy fails. Direction 0 (L2G) writes the blob, 1 (G2L) reads it.
 - ``batch_write_finish(keys, results)``: result 0 makes the key *ready*; anything else *failed*
-  (removed: a later lookup misses).
-- ``batch_get_key_info`` / ``batch_is_exist``: only ready keys have a size / exist.
+  (removed for everyone: a later lookup misses, also when another writer of the same allocation had
+  finished it with 0, and that writer's later finish returns ``MMC_LEASE_GONE``); an unknown key
+  returns ``MMC_UNKNOWN_KEY``.
+- ``batch_get_key_info`` / ``batch_is_exist``: ready keys have a size / exist; on MemCache 1.2.x
+  (``shows_writing``) so does a key still being written, as 1.2.0 answers (its read lease fails).
 - ``batch_add_lease`` / ``batch_remove_lease``: counted, never refused for a ready key.
 
 Faults (:meth:`PoolService.add_fault`): a copy whose keys match can return an error, raise, or
@@ -27,6 +32,15 @@ Observers (``PoolService.observers``): called with every copy's ranges (key, off
 size) and the host whose addresses they are (``host.pid``: its process) once its faults let it
 run -- when it would read the host memory (harness_pool's ``BlockOwners`` checks there which
 request owns each block a save copy reads).
+
+Held to MemCache's behaviour by ``test_store_conformance`` (the same operations on both, results
+compared where the library can tell). Not modelled: MemCache refuses a read copy without a read
+lease (-3102; vllm-ascend always takes one first), MemCache refusing (0) the same client's
+allocation of a key for ~2 s after that client finished it with a failure, a writer's allocation
+lease expiring (~10 s after ``batch_alloc`` when no lease is given: its copy then fails -3102), read
+leases expiring, capacity and eviction (a test evicts with :meth:`PoolService.evict`), a writer's
+process exiting with its share, MemCache's get-while-writing defect (``memcache_pool`` runs them for
+real).
 
 Records, per key: every write (offset, size, time, ok), the finish (result, time), so tests can ask
 which layer slots were written before the key became ready (:meth:`PoolService.written_slots`).
@@ -48,8 +62,9 @@ import numpy as np
 
 GVA_SHIFT = 32
 GATE_LIMIT_S = 30.0  # a gated copy never waits longer than this (no hung tests)
-MMC_DUPLICATED_OBJECT = -3105
-MMC_NOT_FOUND = -3101
+MMC_NOT_FOUND = -3101  # a read lease of a key that is not ready
+MMC_LEASE_GONE = -3102  # finishing a key another writer's failed finish removed
+MMC_UNKNOWN_KEY = -3000  # finishing a key nobody allocated
 L2G, G2L = 0, 1  # batch_copy directions: save (write the pool), load (read the pool)
 
 
@@ -63,6 +78,10 @@ class Blob:
     finished_at: float | None = None
     result: int | None = None
     leases: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
 
 
 @dataclass
@@ -83,7 +102,7 @@ class Fault:
     def hits_copy(self, targets) -> bool:
         if self.at is None:
             return any(self.match(k) for k in dict.fromkeys(b.key for b, *_ in targets))
-        return any(self.match(b.key) and self.at(b.key, off, len(b.data)) for b, off, *_ in targets)
+        return any(self.match(b.key) and self.at(b.key, off, b.size) for b, off, *_ in targets)
 
 
 @dataclass
@@ -111,7 +130,15 @@ class KeyInfo:
 class PoolService:
     """One MemCache pool, shared by every instance (scheduler and worker clients) attached to it."""
 
-    def __init__(self):
+    def __init__(self, shows_writing: bool | None = None):
+        #: ``batch_is_exist`` and ``batch_get_key_info`` show a key still being written (MemCache
+        #: 1.2.x: exists 1, its size and address; a read lease of it fails); None: as the installed
+        #: memcache-hybrid does (1.3.0 when none is installed)
+        if shows_writing is None:
+            import memcache_host
+
+            shows_writing = (memcache_host.version() or "").startswith("1.2.")
+        self.shows_writing = shows_writing
         self.lock = threading.RLock()
         self.blobs: dict[str, Blob] = {}
         self._by_index: dict[int, Blob] = {}
@@ -168,20 +195,20 @@ class PoolService:
     def written_slots(self, key: str, num_slots: int) -> set[int]:
         """Layer slots of ``key`` written by a successful copy (slot = offset * num_slots // size)."""
         blob = self.blobs[key]
-        size = len(blob.data)
+        size = blob.size
         return {off * num_slots // size for off, _n, _t, ok in blob.writes if ok}
 
     def read(self, key: str) -> bytes:
         return self.blobs[key].data.tobytes()
 
     # ------------------------------------------------------------------ MemCache API
-    def batch_alloc(self, keys, sizes, *more) -> list[int]:  # vllm-ascend 0.30 adds (replicas, lease_ttl_ms)
+    def batch_alloc(self, keys, sizes, *more, host=None) -> list[int]:  # vllm-ascend 0.30 adds (replicas, lease_ttl_ms)
         out = []
         with self.lock:
             for key, size in zip(keys, sizes):
                 blob = self.blobs.get(key)
-                if blob is not None and blob.state != "failed":
-                    out.append(MMC_DUPLICATED_OBJECT)
+                if blob is not None and blob.state != "failed":  # being written or ready: its address
+                    out.append(blob.gva)
                     continue
                 index = next(self._next)
                 blob = Blob(key, index << GVA_SHIFT, np.zeros(int(size), dtype=np.uint8))
@@ -190,29 +217,37 @@ class PoolService:
                 out.append(blob.gva)
         return out
 
-    def batch_write_finish(self, keys, results) -> list[int]:
+    def batch_write_finish(self, keys, results, host=None) -> list[int]:
         now = time.monotonic()
+        out = []
         with self.lock:
             for key, res in zip(keys, results):
                 blob = self.blobs.get(key)
                 if blob is None:
+                    out.append(MMC_UNKNOWN_KEY)
+                    continue
+                if blob.state == "failed":  # another writer's failed finish removed it
+                    out.append(MMC_LEASE_GONE)
                     continue
                 blob.result, blob.finished_at = int(res), now
                 blob.state = "ready" if res == 0 else "failed"
-        return [0] * len(keys)
+                out.append(0)
+        return out
 
-    def batch_get_key_info(self, keys) -> list[KeyInfo]:
+    def _shown(self) -> tuple[str, ...]:
+        return ("ready", "writing") if self.shows_writing else ("ready",)
+
+    def batch_get_key_info(self, keys, host=None) -> list[KeyInfo]:
+        shown = self._shown()
         with self.lock:
-            return [
-                KeyInfo(len(b.data), b.gva) if (b := self.blobs.get(k)) is not None and b.state == "ready" else KeyInfo(0, 0)
-                for k in keys
-            ]
+            return [KeyInfo(b.size, b.gva) if (b := self.blobs.get(k)) is not None and b.state in shown else KeyInfo(0, 0) for k in keys]
 
-    def batch_is_exist(self, keys) -> list[int]:
+    def batch_is_exist(self, keys, host=None) -> list[int]:
+        shown = self._shown()
         with self.lock:
-            return [int((b := self.blobs.get(k)) is not None and b.state == "ready") for k in keys]
+            return [int((b := self.blobs.get(k)) is not None and b.state in shown) for k in keys]
 
-    def batch_add_lease(self, keys, lease_ttl_ms=0) -> list[int]:
+    def batch_add_lease(self, keys, lease_ttl_ms=0, host=None) -> list[int]:
         with self.lock:
             out = []
             for k in keys:
@@ -224,7 +259,7 @@ class PoolService:
                     out.append(0)
             return out
 
-    def batch_remove_lease(self, keys) -> int:
+    def batch_remove_lease(self, keys, host=None) -> int:
         with self.lock:
             for k in keys:
                 if (b := self.blobs.get(k)) is not None and b.leases:
@@ -239,11 +274,12 @@ class PoolService:
         with self.lock:
             targets = []
             for gva, addr, size in zip(gvas, addrs, sizes):
-                blob = self._by_index.get(int(gva) >> GVA_SHIFT)
-                if blob is None:
-                    self.violations.append(Violation("unknown-gva", f"gva={gva:#x}"))
+                found = self._blob_at(int(gva))
+                if found is None:
+                    self.violations.append(Violation("unknown-gva", f"gva={int(gva):#x}"))
                     return MMC_NOT_FOUND
-                targets.append((blob, int(gva) - blob.gva, int(addr), int(size)))
+                blob, off = found
+                targets.append((blob, off, int(addr), int(size)))
             keys = tuple(dict.fromkeys(b.key for b, *_ in targets))
             faults = [
                 f
@@ -268,11 +304,10 @@ class PoolService:
         if "error" in kinds:
             self._log(direction, keys, -1)
             return -1
-        now = time.monotonic()
         with self.lock:
             for blob, off, addr, size in targets:
-                if off < 0 or off + size > len(blob.data):
-                    self.violations.append(Violation("gva-range", f"{blob.key} [{off}, {off + size}) of {len(blob.data)}"))
+                if off < 0 or off + size > blob.size:
+                    self.violations.append(Violation("gva-range", f"{blob.key} [{off}, {off + size}) of {blob.size}"))
                     self._log(direction, keys, -1)
                     return -1
             outside = host.outside([(addr, size) for _b, _o, addr, size in targets])
@@ -281,17 +316,34 @@ class PoolService:
                 self.violations.append(Violation("host-range", f"{addr:#x}+{size} for {blob.key}"))
                 self._log(direction, keys, -1)
                 return -1
-            if direction == L2G:  # the host memory is read when the copy runs (after its faults)
+        now = time.monotonic()
+        res = self._move(direction, targets, host, (gvas, addrs, sizes))
+        with self.lock:
+            for blob, off, addr, size in targets:
+                if direction == L2G:
+                    blob.writes.append((off, size, now, res == 0))
+                if res == 0:
+                    self.bytes[direction] += size
+                    self.key_bytes[direction][blob.key] = self.key_bytes[direction].get(blob.key, 0) + size
+            if res == 0:
+                self.copies[direction] += 1
+        self._log(direction, keys, res)
+        return res
+
+    def _blob_at(self, gva: int):
+        """(blob, offset in it) of a GVA, or None."""
+        blob = self._by_index.get(gva >> GVA_SHIFT)
+        return None if blob is None else (blob, gva - blob.gva)
+
+    def _move(self, direction, targets, host, call) -> int:
+        """The copy itself, once faults and bounds let it run (the host memory is read now)."""
+        with self.lock:
+            if direction == L2G:  # a copy into a key already ready succeeds and changes nothing (MemCache)
                 for (blob, off, _addr, size), data in zip(targets, host.read([(addr, size) for _b, _o, addr, size in targets])):
-                    blob.data[off : off + size] = np.frombuffer(data, dtype=np.uint8)
-                    blob.writes.append((off, size, now, True))
+                    if blob.state != "ready":
+                        blob.data[off : off + size] = np.frombuffer(data, dtype=np.uint8)
             else:
                 host.write([(addr, blob.data[off : off + size].tobytes()) for blob, off, addr, size in targets])
-            for blob, off, addr, size in targets:
-                self.bytes[direction] += size
-                self.key_bytes[direction][blob.key] = self.key_bytes[direction].get(blob.key, 0) + size
-            self.copies[direction] += 1
-        self._log(direction, keys, 0)
         return 0
 
     def _log(self, direction, keys, res) -> None:
@@ -342,7 +394,9 @@ class DistributedObjectStore:
 def install(service: PoolService) -> None:
     """Make ``service`` the pool that MemCache clients created from now on talk to."""
     module = sys.modules.get("memcache_hybrid")
-    if module is None:
+    if getattr(module, "DistributedObjectStore", None) is not DistributedObjectStore:
+        # this process never opens a real client (memcache_pool's agents do): vllm-ascend's backend
+        # gets this module's class, the real package installed or not
         module = types.ModuleType("memcache_hybrid")
         module.DistributedObjectStore = DistributedObjectStore
         sys.modules["memcache_hybrid"] = module

@@ -76,8 +76,8 @@ class PoolServer:
             except (EOFError, OSError):
                 return
             try:
-                if name == "batch_copy":
-                    reply = ("ok", svc.batch_copy(*args, host=host))
+                if name == "batch_copy" or getattr(svc, "wants_host", False):  # the real MemCache: the caller's client
+                    reply = ("ok", getattr(svc, name)(*args, host=host))
                 else:
                     reply = ("ok", getattr(svc, name)(*args))
             except Exception as exc:  # the client raises it (an injected "raise" fault, ...)
@@ -97,14 +97,21 @@ class RemoteService:
     ``batch_*`` calls go to the service, one connection per calling thread (MemCache's client is
     called from the worker's layer threads at once); host ranges are this process's."""
 
-    def __init__(self, address):
+    def __init__(self, address, real: bool = False):
         self.address = address
+        #: the pool is the real MemCache (``memcache_pool``): this process's caches are device
+        #: buffers its MemCache client (an agent) maps
+        self.real = real
         self.regions: list[tuple[int, int]] = []
         self._local = threading.local()
         self._host = LocalHost(self.regions)
 
     def register_region(self, ptr: int, size: int) -> None:
         self.regions.append((int(ptr), int(size)))
+        if self.real:
+            import memcache_host
+
+            self._call("register_region", (memcache_host.buffer_of(int(ptr), int(size)), int(size)))
 
     def _conn(self):
         conn = getattr(self._local, "conn", None)

@@ -185,6 +185,10 @@ class RankProcesses:
         for conn in self.conns:
             conn.close()
         if self.server is not None:
+            drop = getattr(self.server.service, "drop_process", None)
+            for proc in self.procs:  # the real MemCache: each rank's client ends with its process
+                if drop is not None and proc.pid is not None:
+                    drop(proc.pid)
             self.server.close()
         for path in [self.init_file] + [_stack_file(self.init_file, r) for r in range(self.tp)]:
             try:
@@ -282,7 +286,7 @@ def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
         # where this rank is, on the parent's request (SIGUSR1), when it does not answer in time
         faulthandler.register(signal.SIGUSR1, file=open(_stack_file(init_file, r), "w"), all_threads=True)
         if address is not None:  # this process reaches the pool as a MemCache client does
-            inst.pool = byte_store_remote.RemoteService(address)
+            inst.pool = byte_store_remote.RemoteService(address, real=getattr(inst.pool, "wants_host", False))
             byte_store.install(inst.pool)
         _capture_log(r)
         group = _tp_group(r, inst.tp, init_file, inst.configs[r])

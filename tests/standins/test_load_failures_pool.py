@@ -120,11 +120,12 @@ class Run:
         tp: int = 1,
         rank: int | None = None,
         between: bool = False,
+        store: str | None = None,  # make_pool's store (default: the pair's)
     ):
         asy = scheduling == "async"
         b_prompt, c_prompt = (B_PROMPT_ASYNC, C_PROMPT_ASYNC) if asy else (B_PROMPT, C_PROMPT)
         self.tp = tp
-        self.pool = pool = make_pool()
+        self.pool = pool = make_pool(store)
         a = PoolInstance(pool, name="A", tp=tp)
         a.add_request("a", PROMPT, max_tokens=1)
         engine_loop(a)

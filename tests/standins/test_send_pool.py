@@ -20,6 +20,7 @@ import ascend_layerwise_patch
 from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity
 from ascend_layerwise_patch.registry import APPLIED
 
+from byte_store import L2G, MMC_LEASE_GONE
 from support import PAIR
 
 PAIRS = ("v0251", "v0260")
@@ -308,7 +309,10 @@ def test_hung_copy_warned_held_released(patched, vllm_log, monkeypatch):
     assert not sched.connector.connector_scheduler.sending_events
     assert sched.reset_prefix_cache(reset_running_requests=True) is True
     assert send_integrity.counters()["stuck_sends"] == 0
-    assert _check_pool(pool, inst) > 0 and pool.violations == []  # the late send wrote every slot
+    # the late send wrote every slot of what it published; on the real MemCache a copy that comes
+    # after the writer's allocation lease ran out fails (MMC_LEASE_GONE) and its keys never appear
+    lease_gone = [keys for direction, keys, res in pool.copy_log if direction == L2G and res == MMC_LEASE_GONE]
+    assert (_check_pool(pool, inst) > 0 or lease_gone) and pool.violations == []
 
 
 @pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)  # 0.26's save_kv_layer waits without a limit: a hung copy holds the step

@@ -243,6 +243,19 @@ class PoolInstance:
             workers.append(connector.connector_worker)
         return workers
 
+    def pool_alloc(self, size: int):
+        """A cache tensor's memory: ``size`` zeroed bytes at a 2 MiB boundary (vllm-ascend's
+        register_kv_caches aligns regions down to 2 MiB); on the real MemCache, device memory its
+        client maps (``memcache_host.device_buffer``)."""
+        if getattr(self.pool, "wants_host", False) or getattr(self.pool, "real", False):
+            import memcache_host
+
+            return memcache_host.device_buffer(size)[:size]
+        align = 2 * 1024 * 1024
+        raw = _torch.zeros(size + align, dtype=_torch.uint8)
+        start = (-raw.data_ptr()) % align
+        return raw[start : start + size]
+
     def pool_register(self, raw) -> None:
         if self.pool is not None:
             self.pool.register_region(raw.data_ptr(), raw.numel())

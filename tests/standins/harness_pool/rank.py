@@ -82,10 +82,7 @@ class _Rank(_RankStep):
                 raw = self._raw[0]
                 assert tensor.size == raw.numel(), "KV cache tensors must share one backing allocation"
             else:
-                align = 2 * 1024 * 1024  # vllm-ascend's register_kv_caches aligns regions down to 2 MiB
-                raw = _torch.zeros(tensor.size + align, dtype=_torch.uint8)
-                start = (-raw.data_ptr()) % align
-                raw = raw[start : start + tensor.size]
+                raw = inst.pool_alloc(tensor.size)
                 self._raw.append(raw)
                 _HOST_REGIONS.append((raw.data_ptr(), tensor.size))
                 inst.pool_register(raw)
