@@ -189,10 +189,7 @@ def test_two_checkpoints_in_folders_of_the_same_name_share_no_key(activate):
     assert one != two and os.path.basename(one) == os.path.basename(two)
     for off in ((), ("pool_key_layout",)):
         activate(off=off)
-        # the failed case re-saves at once: MemCache refuses the same client's allocation of a key for
-        # ~2 s after it finished that key with a failure (test_store_conformance), so it runs on the
-        # byte store, which hands the key out again at once as MemCache does after that while
-        pool = make_pool("bytes" if how == "failed" else None)
+        pool = make_pool()
         a, _b, loaded = _hit(pool, dict(model_dir=one), dict(model_dir=two))
         written = {k.split("@")[0] for k in pool.ready_keys()}
         print(f"\nsame folder name, {off or 'nothing'} off: key prefixes {sorted(written)}, B loaded {len(loaded)} of A's keys")

@@ -23,6 +23,11 @@ from byte_store import G2L, L2G, LocalHost, PoolService  # noqa: E402
 
 OBJ = 1 << 16
 
+pytestmark = [
+    pytest.mark.pairs("v0251", "v0260", "v0300"),
+    pytest.mark.control("the stores' behaviour, not the library's: the same with and without it"),
+]
+
 
 class _Client(LocalHost):
     """One MemCache client of the scenario: on the real store its own agent (keyed by ``pid``)."""
