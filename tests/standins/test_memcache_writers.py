@@ -69,6 +69,7 @@ def test_two_writers_and_a_reader_in_between(monkeypatch, reference, store):
     b = PoolInstance(pool, name="B", processes=True)  # another MemCache client
     c = PoolInstance(pool, name="C")
     d = PoolInstance(pool, name="D")
+    stepping = None
     try:
         final = len(a.layer_order) - 1  # the final layer's copy comes before every key's finish
         held = pool.add_fault("gate", direction=L2G, times=1, at=layer_slot_fault(a, [final]))
@@ -111,4 +112,10 @@ def test_two_writers_and_a_reader_in_between(monkeypatch, reference, store):
         assert min(r.expected for r in d.reads_of("d", step=d.first_step_of("d"))) == len(PREFIX)  # a hit on the prefix
         assert pool.violations == []
     finally:
+        pool.clear_faults()  # (opens the gate)
         b.close()
+        if stepping is not None and stepping.is_alive():  # 0.26 after its sending thread stopped: the
+            # step waits for the final layer's save forever (logging each wait); let that wait end
+            for event in a.ranks[0].connector.connector_worker.layer_save_finished_events:
+                event.set()
+            stepping.join(timing.STEP_LIMIT_S)

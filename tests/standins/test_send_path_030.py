@@ -230,7 +230,10 @@ def test_a_failed_save_copy_makes_no_key_ready_with_a_gap(library, kind, layer):
     stops before the key is finished (the engine stops with it); no key is ready with that slot
     unwritten, and a second instance reads nothing wrong from the pool."""
     library(False)
-    pool = make_pool()
+    # the byte store as MemCache 1.3.0 shows keys: 0.30.0rc2 pins 1.2.0, which shows the stopped
+    # writer's unfinished keys to B's lookup as hits whose loads fail (until MemCache's ~10 s
+    # allocation lease drops them): test_memcache_writers' finding, not this vouch's subject
+    pool = byte_store.PoolService(shows_writing=False)
     a = PoolInstance(pool, name="A")
     fault = pool.add_fault(kind, direction=byte_store.L2G, times=1, at=layer_slot_fault(a, [layer]))
     prompts = {"r0": list(range(20_000, 20_040)), "r1": list(range(21_000, 21_056))}

@@ -181,10 +181,10 @@ def test_a_key_being_written_shows_as_the_installed_version_shows_it(results):
 
 
 def test_what_the_byte_store_does_not_model():
-    """MemCache refuses the same client's allocation of a key for a short while after that client
-    finished it with a failure (another client gets an address at once; measured ~2 s with 1.3.0);
-    the byte store hands out an address at once (listed in its docstring). A test that re-saves at
-    once after failed saves runs on the byte store (test_pool_key_layout's lost-prefix case)."""
+    """MemCache 1.3.0 refuses the same client's allocation of a key for a short while after that
+    client finished it with a failure (another client gets an address at once; measured ~2 s); 1.2.0
+    and the byte store hand out an address at once (listed in its docstring). A test that re-saves
+    at once after failed saves runs on the byte store (test_pool_key_layout's lost-prefix case)."""
     from harness_pool.runtime import memcache_cluster
     from memcache_pool import MemcachePool
 
@@ -198,4 +198,5 @@ def test_what_the_byte_store_does_not_model():
         got[name] = (run.alloc("A", "r") > 0, run.alloc("B", "r") > 0)
     for pid in (-111, -112, -113):
         cluster.release(pid)
-    assert got == {"memcache": (False, True), "bytes": (True, True)}, got
+    refuses = memcache_host.version().startswith("1.3.")
+    assert got == {"memcache": (not refuses, True), "bytes": (True, True)}, got

@@ -395,13 +395,17 @@ class Cluster:
 
     START_LIMIT_S = 60.0  # an agent's start: its client's init (1.2.0 imports torch: seconds on 2 busy cores)
 
-    def __init__(self, **meta_options):
+    def __init__(self, prestart: int = 0, **meta_options):
+        """``prestart``: agents started now, idle until a process takes one. With MemCache 1.2.0 a
+        client's ``init`` that comes while other clients are in use (read leases held) has been seen
+        never to return; clients started before any is used all came up."""
         self.meta = MetaService(**meta_options)
         self.agents: dict[int, AgentHandle] = {}
         self.idle: list[AgentHandle] = []
         self.lock = threading.Lock()
         self.device_ids = iter(range(1 << 30))
         self.agent_start_s: list[float] = []
+        self.idle = [self._start(-1 - i) for i in range(prestart)]
 
     def agent(self, pid: int) -> AgentHandle:
         """The agent of harness process ``pid`` (started on first use)."""
