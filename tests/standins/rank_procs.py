@@ -186,7 +186,7 @@ class RankProcesses:
             conn.close()
         if self.server is not None:
             drop = getattr(self.server.service, "drop_process", None)
-            for proc in self.procs:  # the real MemCache: each rank's client ends with its process
+            for proc in self.procs:  # the real MemCache: each rank's client (agent) is free for another process
                 if drop is not None and proc.pid is not None:
                     drop(proc.pid)
             self.server.close()
