@@ -137,7 +137,7 @@ class PoolService:
         if shows_writing is None:
             import memcache_host
 
-            shows_writing = (memcache_host.version() or "").startswith("1.2.")
+            shows_writing = memcache_host.shows_writing()
         self.shows_writing = shows_writing
         self.lock = threading.RLock()
         self.blobs: dict[str, Blob] = {}

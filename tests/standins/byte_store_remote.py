@@ -76,7 +76,7 @@ class PoolServer:
             except (EOFError, OSError):
                 return
             try:
-                if name == "batch_copy" or getattr(svc, "wants_host", False):  # the real MemCache: the caller's client
+                if name == "batch_copy" or getattr(svc, "real", False):  # the real MemCache: the caller's client
                     reply = ("ok", getattr(svc, name)(*args, host=host))
                 else:
                     reply = ("ok", getattr(svc, name)(*args))

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 import memcache_host
-from byte_store import KeyInfo, LocalHost, PoolService
+from byte_store import KeyInfo, PoolService
 
 _POOL_IDS = itertools.count(1)
 
@@ -66,7 +66,7 @@ class RealBlob:
 class MemcachePool(PoolService):
     """One pool (a key namespace) on the real MemCache of ``cluster``."""
 
-    wants_host = True  # byte_store_remote passes every call the caller's host
+    real = True  # the real MemCache: byte_store_remote passes every call the caller's host
 
     def __init__(self, cluster: memcache_host.Cluster):
         super().__init__()
@@ -168,9 +168,6 @@ class MemcachePool(PoolService):
                 elif blob is not None:
                     self.over_releases.append(key)
         return out
-
-    def batch_copy(self, gvas, addrs, sizes, direction, host=None) -> int:
-        return super().batch_copy(gvas, addrs, sizes, direction, host=host or LocalHost(self.regions))
 
     def _move(self, direction, targets, host, call) -> int:
         gvas, addrs, sizes = call

@@ -286,7 +286,7 @@ def _rank_main(inst, r: int, conn, address, init_file: str, make_rank) -> None:
         # where this rank is, on the parent's request (SIGUSR1), when it does not answer in time
         faulthandler.register(signal.SIGUSR1, file=open(_stack_file(init_file, r), "w"), all_threads=True)
         if address is not None:  # this process reaches the pool as a MemCache client does
-            inst.pool = byte_store_remote.RemoteService(address, real=getattr(inst.pool, "wants_host", False))
+            inst.pool = byte_store_remote.RemoteService(address, real=getattr(inst.pool, "real", False))
             byte_store.install(inst.pool)
         _capture_log(r)
         group = _tp_group(r, inst.tp, init_file, inst.configs[r])

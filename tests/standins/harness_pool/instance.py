@@ -247,7 +247,7 @@ class PoolInstance:
         """A cache tensor's memory: ``size`` zeroed bytes at a 2 MiB boundary (vllm-ascend's
         register_kv_caches aligns regions down to 2 MiB); on the real MemCache, device memory its
         client maps (``memcache_host.device_buffer``)."""
-        if getattr(self.pool, "wants_host", False) or getattr(self.pool, "real", False):
+        if getattr(self.pool, "real", False):  # MemcachePool, or a rank process's RemoteService of one
             import memcache_host
 
             return memcache_host.device_buffer(size)[:size]

@@ -63,7 +63,7 @@ def memcache_cluster():
         import memcache_host
 
         # 1.2.0: every client this process is likely to need, before any is used (Cluster's docstring)
-        prestart = 4 if (memcache_host.version() or "").startswith("1.2.") else 0
+        prestart = 4 if memcache_host.shows_writing() else 0
         _RT.cluster = memcache_host.Cluster(prestart=prestart)
         atexit.register(_RT.cluster.close)
     return _RT.cluster

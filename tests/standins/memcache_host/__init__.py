@@ -69,6 +69,12 @@ def version() -> str | None:
         return None
 
 
+def shows_writing() -> bool:
+    """Whether the installed MemCache shows a key still being written to ``batch_is_exist`` and
+    ``batch_get_key_info`` (1.2.x; its read lease then fails). 1.3.0 does not."""
+    return (version() or "").startswith("1.2.")
+
+
 def _compile(name: str, extra: list[str]) -> Path:
     src = HERE / f"{name}.c"
     digest = hashlib.sha1(src.read_bytes()).hexdigest()[:12]
