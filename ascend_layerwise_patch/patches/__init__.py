@@ -39,6 +39,7 @@ postprocess_kernel      postprocess_kernel   vllm-ascend's Triton postprocess ke
 mamba_local_hit         mamba_local_hit      a local prefix hit dropped the mamba state with the AscendStore pool
 mamba_pool_hit          mamba_pool_hit       a pool hit resumed where no mamba state was saved; null blocks published as keys
 gdn_tp_keys             gdn_tp_keys          at TP above the KV heads every rank read rank 0's GDN slice
+gdn_tp_step_end         gdn_tp_keys          0.26: at TP above the KV heads a non-leader rank's step ended before its GDN save copies
 pool_key_layout         pool_key_layout      pool keys named no layout (TP size, stage, format); evicted keys never saved again
 mamba_pool_resume_load  mamba_pool_hit       0.25.1rc1 loaded every intermediate mamba state of a hit into the null block
 load_failures           load_failures        failed, raising or late loads were computed on, unreported
@@ -94,6 +95,7 @@ SPECS = (
     *mamba_local_hit.SPECS,
     *mamba_pool_hit.SPECS,
     *gdn_tp_keys.SPECS,
+    *gdn_tp_keys.STEP_END_SPECS,
     *pool_key_layout.SPECS,
     *mamba_pool_hit.RESUME_LOAD_SPECS,
     *load_failures.SPECS,

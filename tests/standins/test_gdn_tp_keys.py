@@ -8,6 +8,8 @@ rank that starts from another rank's slice reads a wrong state (``PoolInstance.w
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -17,11 +19,11 @@ import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import gdn_tp_keys
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
-from support import PAIR, activate_skipping
+from support import PAIR, activate_skipping, library_off
 
 PAIRS = ("v0251", "v0260")
-if PAIR not in PAIRS:
-    pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
+if PAIR not in (*PAIRS, "v0300"):  # v0300: one control (vllm-ascend 0.30.0rc2 drains its sends itself)
+    pytest.skip(f"for pairs {', '.join(PAIRS)} (and v0300); installed: {PAIR}", allow_module_level=True)
 
 from harness_pool import PoolInstance, engine_loop, make_pool  # noqa: E402
 
@@ -30,7 +32,8 @@ pytestmark = pytest.mark.pairs(*PAIRS)
 PROMPT = list(range(2000, 2040))  # 2 full 16-token blocks + 8
 HIT = 32
 LAYOUTS = [(2, 1), (4, 2)]  # (tp, kv heads): put_step 2 in both
-_NAMES = {s.name for s in gdn_tp_keys.SPECS if not s.name.endswith("_030")}  # gdn_tp_keys_030: vllm-ascend 0.30 only
+_NAMES = {s.name for s in gdn_tp_keys.SPECS if not s.name.endswith("_030")}
+_STEP_END = {s.name for s in gdn_tp_keys.STEP_END_SPECS if not s.name.endswith("_030")}  # gdn_tp_keys_030: vllm-ascend 0.30 only
 
 
 def _set(on: bool) -> None:
@@ -223,3 +226,136 @@ def test_tensor_parallel_invariants_soak(layout, prompt_len, extra):
     heads = {key.rsplit("@", 1)[1] for key in _keys(pool, attn)}
     assert heads == {str(h) for h in range(min(tp, kv_heads))}
     assert pool.violations == []
+
+
+# ------------------------------------------------- a non-leader rank's step ends after its GDN copies
+#: Two inter-process events, made before an instance forks its rank processes: the gate of rank 1's
+#: first GDN save copy, and whether that gate was opened by rank 1's step returning to the engine.
+_GATE: dict[str, object] = {}
+
+
+class _FinalSaveEvent(threading.Event):
+    """The final layer's save event of rank 1: a wait on it while it is not set means the step waits
+    for the rank's queued copies -- the gate opens (logical time: no timing decides the order)."""
+
+    def wait(self, timeout=None):
+        if not self.is_set():
+            _GATE["open"].set()
+        return super().wait(timeout)
+
+
+class _DrainWait(threading.Condition):
+    """The sending queue's ``all_tasks_done`` of rank 1 (its lock is the queue's): a wait on it is a
+    drain of the queued copies (vllm-ascend 0.30.0rc2's final-layer wait) -- the gate opens."""
+
+    def wait(self, timeout=None):
+        _GATE["open"].set()
+        return super().wait(timeout)
+
+
+def _watch_rank_1(rank) -> None:
+    if rank.rank != 1:
+        return
+    worker = rank.connector.connector_worker
+    events = worker.layer_save_finished_events  # one list, shared with the rank's threads
+    last = worker.num_layers - 1
+    watched = _FinalSaveEvent()
+    if events[last].is_set():
+        watched.set()
+    events[last] = watched
+    queue = worker.kv_send_thread.request_queue
+    queue.all_tasks_done = _DrainWait(queue.mutex)
+    execute = rank.execute
+
+    def execute_then_open(so):
+        try:
+            return execute(so)
+        finally:
+            if not _GATE["open"].is_set():  # the step returned with its copy still held
+                _GATE["by_step_end"].set()
+                _GATE["open"].set()
+
+    rank.execute = execute_then_open
+
+
+#: rank 1's GDN keys at TP 2 over 1 KV head: ``gdn_tp_keys.rank_key`` (0.25 / 0.26); 0.30.0rc2 keys
+#: them by TP rank itself (``...@1``; its attention keys, the leader's, end ``@0``)
+RANK_1_GDN = "@1" if PAIR == "v0300" else "@tp1"
+
+
+def _held_copy_run(tp: int = 2, kv_heads: int = 1) -> dict:
+    """A prefills PROMPT in 16-token chunks at TP 2 over 1 KV head (rank 1 saves its GDN slices, not
+    the attention layers); rank 1's first GDN save copy is held until rank 1's step either waits for
+    it at its final layer or returns without it. Then B hits the first 32 tokens."""
+    from byte_store import L2G
+
+    import rank_procs
+
+    ctx = multiprocessing.get_context("fork")
+    _GATE.update(open=ctx.Event(), by_step_end=ctx.Event())
+    pool = make_pool()
+    fault = pool.add_fault("gate", direction=L2G, match=lambda key: key.endswith(RANK_1_GDN), times=1)
+    fault.gate = _GATE["open"]
+    out = {"stopped": None}
+    a = PoolInstance(pool, name="A", tp=tp, kv_heads=kv_heads, long_prefill_token_threshold=16)
+    try:
+        a.on_ranks(_watch_rank_1)
+        a.add_request("a", PROMPT, max_tokens=2)
+        try:
+            engine_loop(a)
+        except (RuntimeError, rank_procs.RankFailure) as exc:
+            out["stopped"] = str(exc)
+    finally:
+        _GATE["open"].set()
+        a.close()
+    out["held"] = fault.hits
+    out["step_ended_first"] = _GATE["by_step_end"].is_set()
+    if out["stopped"] is None:
+        b = PoolInstance(pool, name="B", tp=tp, kv_heads=kv_heads)
+        try:
+            b.add_request("b", PROMPT[:HIT] + [7, 8, 9, 10, 11], max_tokens=1)
+            held = {}
+            engine_loop(b, on_step=lambda inst, _so: held or held.update(inst.contents("b", inst.gdn_layers, HIT // inst.block_size - 1)))
+            out["own_slices"] = sum(v == HIT for v in held.values()), len(held)
+            out["wrong"] = len(b.wrong_reads("b"))
+        finally:
+            b.close()
+    return out
+
+
+def test_a_non_leader_rank_s_step_ends_after_its_gdn_copies(library):
+    """At TP > KV heads rank 1 saves its GDN layers but not the final (attention) layer. Its step must
+    not end before its GDN copies have: vllm-ascend 0.26.0rc1 set the final layer's event itself and
+    cleared the step's events under the copies (the sending thread then stopped on "save failed" at
+    the rank's next save of that layer; in CI: test_mtp_layer's TP 8 case). ``gdn_tp_step_end`` (0.26)
+    and ``gdn_tp_finish`` (0.25) queue a final-layer task behind the rank's copies. Held by logical
+    events: rank 1's copy lands only once its step waits for it, or once the step returned without it."""
+    library(True)
+    out = _held_copy_run()
+    print(f"\n{PAIR} TP 2 over 1 KV head, rank 1's first GDN copy held: {out}")
+    assert out["held"] == 1 and out["stopped"] is None, out
+    assert not out["step_ended_first"], out  # rank 1's step waited for its copy
+    assert out["own_slices"] == (2 * 2, 2 * 2) and out["wrong"] == 0, out  # 2 ranks x 2 GDN layers
+
+
+@pytest.mark.pairs("v0260")
+def test_without_gdn_tp_step_end_a_non_leader_rank_s_step_ends_under_its_copies():
+    """The same run with group ``gdn_tp_step_end`` skipped: rank 1's step returns with its copy held."""
+    reg = activate_skipping(gdn_tp_keys.STEP_END_GROUP)
+    try:
+        assert {st.state for st in reg.status() if st.name in _STEP_END} == {SKIPPED}
+        out = _held_copy_run()
+    finally:
+        activate_skipping()
+    print(f"\n{PAIR} without gdn_tp_step_end: {out}")
+    assert out["held"] == 1 and out["step_ended_first"], out
+
+
+@pytest.mark.pairs("v0300")
+@pytest.mark.control("vllm-ascend 0.30.0rc2 saves GDN per rank and drains its sends at the last layer (gdn_tp_step_end_030)")
+def test_030_a_non_leader_rank_s_step_ends_after_its_gdn_copies():
+    with library_off():
+        out = _held_copy_run()
+    print(f"\n{PAIR} library off, TP 2 over 1 KV head, rank 1's first GDN copy held: {out}")
+    assert out["held"] == 1 and out["stopped"] is None and not out["step_ended_first"], out
+    assert out["own_slices"] == (2 * 2, 2 * 2) and out["wrong"] == 0, out

@@ -28,7 +28,6 @@ PAIRS = ("v0251", "v0260")
 if PAIR not in PAIRS:
     pytest.skip(f"for pairs {', '.join(PAIRS)}; installed: {PAIR}", allow_module_level=True)
 
-import rank_procs  # noqa: E402
 from harness_pool import SOAK_SCENARIOS, PoolInstance, engine_loop, make_pool, slow_store, soak  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
@@ -204,19 +203,17 @@ def test_without_the_bound_the_pool_is_pinned(shedding_off):
 
 # ------------------------------------------------------------------------------ vllm-ascend 0.26
 #: send_shedding is out of range on 0.26.0rc1: its save_kv_layer waits for the step's last layer
-#: without a limit. Only a rank that saves nothing at its last layer does not wait: at TP > KV heads
-#: (gdn_tp_keys) rank 1 saves its own GDN slices but not the attention layer (the leader's). A slow
-#: store there builds a backlog: its sends hold most of the pool. In most runs rank 1's sending
-#: thread then finds a layer's finished event still set, its own assertion stops the thread and the
-#: worker raises: the engine stops. That assertion is a race of upstream's threads (a CI run on two
-#: busy cores once served the workload to its end instead), so the test holds the engine to either
-#: outcome and to the backlog in both. If it fails, 0.26 bounds a slow non-leader store's sends by
-#: itself: revisit send_shedding's range.
+#: without a limit, on every rank: at TP > KV heads rank 1 saves its own GDN slices but not the
+#: attention layer (the leader's), and ``gdn_tp_step_end`` queues a final-layer task behind its
+#: copies (without it, rank 1's step ended under its copies and its sending thread stopped the engine
+#: on "save failed": test_gdn_tp_keys.py). A slow store behind rank 1 therefore slows its steps, as a
+#: slow store behind a leader does, and builds no backlog. If the backlog grows, 0.26 stopped waiting
+#: for a rank's sends: revisit send_shedding's range.
 NON_LEADER = (dict(num_blocks=240, max_num_seqs=16, tp=2, kv_heads=1), dict(requests=40, prompt=(20, 300), output=(1, 4)))
 
 
 @pytest.mark.pairs("v0260")
-def test_026_a_slow_non_leader_rank_builds_a_backlog_or_stops_the_engine(vllm_log):
+def test_026_a_slow_non_leader_rank_slows_its_steps_and_builds_no_backlog(vllm_log):
     row = {st.name: st for st in ascend_layerwise_patch.status()}["send_shedding"]
     assert row.state != APPLIED and "out of range" in row.reason, row
     inst_kw, soak_kw = NON_LEADER
@@ -226,7 +223,7 @@ def test_026_a_slow_non_leader_rank_builds_a_backlog_or_stops_the_engine(vllm_lo
     held_max = 0
     step = inst.step
 
-    def step_and_count():  # the backlog after every step, also when a step raises
+    def step_and_count():  # the backlog after every step
         nonlocal held_max
         try:
             return step()
@@ -235,16 +232,12 @@ def test_026_a_slow_non_leader_rank_builds_a_backlog_or_stops_the_engine(vllm_lo
 
     inst.step = step_and_count
     fault = slow_store(pool, seed=0, match=lambda key: key.endswith("@tp1"))
-    stopped = None
     try:
-        soak(inst, seed=0, deadline_s=30.0, **soak_kw)  # the backlog builds in the first seconds
-    except (RuntimeError, rank_procs.RankFailure) as exc:  # the rank process's raise comes back as RankFailure
-        stopped = exc
+        f = soak(inst, seed=0, **soak_kw)
     finally:
         fault.gate.set()
     bound = send_shedding.DEFAULT_FRACTION * (inst.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)
-    outcome = f"the engine stopped at step {inst.steps}" if stopped else "served to the end"
-    print(f"\n0.26 non-leader slow: {outcome}; at most {held_max} block references held by open sends (bound {bound:.0f})")
-    if stopped is not None:
-        assert "failed during asynchronous transfer" in str(stopped), stopped
-    assert held_max > bound
+    print(f"\n0.26 non-leader slow: served {soak_kw['requests']} requests in {inst.steps} steps; at most {held_max} "
+          f"block references held by open sends (bound {bound:.0f})")
+    assert f["unfinished"] == 0 and fault.hits > 0, f
+    assert held_max <= bound

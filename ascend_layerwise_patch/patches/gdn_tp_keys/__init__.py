@@ -46,6 +46,17 @@ GDN keys already in a pool
          prefix after the upgrade therefore misses, recomputes and saves per-rank GDN keys; its
          attention keys already exist, so upstream logs ``alloc_gvas FAIL`` for them once (its
          usual answer to an existing key) and keeps the existing blobs.
+Group    ``gdn_tp_step_end`` (vllm-ascend 0.26.0rc1): a non-leader rank saves GDN layers but not the
+         final layer (full attention, the leader's). 0.26's ``save_kv_layer`` waits at the final
+         layer for that layer's event only; with nothing queued there it sets the event itself and
+         ends the step while the rank's GDN copies are still queued, and clears the step's events
+         under them. A copy that finishes later leaves its layer's event set: the sending thread's
+         next save of that layer stops on its own assertion ("thread: 0 save failed"; the worker
+         raises, the engine stops), and the step's blocks may be reused under the copy. When a rank
+         queued saves in a step but none at the final layer, an empty task is queued there after
+         them (0.26 finishes keys with the last real copy: the task only sets the final layer's
+         event, in order). 0.25.1rc1 has ``gdn_tp_finish``'s task there; vllm-ascend 0.30.0rc2's
+         final-layer wait drains the sending queue itself (member ``gdn_tp_step_end_030``).
 Removal  When vllm-ascend keys layerwise align-state groups per TP rank itself (detected: the
          whole group skips itself if ``_make_layerwise_gva_key`` reads ``group_uses_align_state``).
 """
@@ -56,7 +67,7 @@ import functools
 import importlib
 
 from .._checks import Group
-from .._ranges import V025_026, V029_030
+from .._ranges import ASCEND_026, V025_026, V029_030
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
@@ -189,6 +200,22 @@ def make_build_shared(original):
     return _build_shared_save_data
 
 
+def make_step_end(original):
+    task_cls = original.__globals__["LayerTransferTask"]
+
+    @functools.wraps(original)
+    def _build_shared_save_data(self):
+        original(self)
+        last = self.num_layers - 1
+        if self.layer_save_tasks[last]:
+            return  # the thread sets the final layer's event after the rank's earlier copies
+        queued = [t for tasks in self.layer_save_tasks[:last] for t in tasks if t.shared_block_data is not None]
+        if queued:
+            self.layer_save_tasks[last].append(task_cls(layer_id=last, block_ranges=[], group_id=queued[-1].group_id))
+
+    return _build_shared_save_data
+
+
 # ---------------------------------------------------------------------------------- scheduler half
 def make_hit_keys(original):
     @functools.wraps(original)
@@ -212,6 +239,12 @@ def _finish_upstream(original) -> str | None:
     if "write_finish_keys" in _source(original):
         return "vllm-ascend finishes a step's keys with its last save task on every rank (write_finish_keys)"
     return _upstream_keys_per_rank(original)
+
+
+def _drains_sends_030(original) -> str | None:
+    if "unfinished_tasks" in _source(original):
+        return "vllm-ascend's final-layer save wait drains the sending queue (a rank's last copies end its step)"
+    return None
 
 
 def _worker_ok(params, needs=(), globals_=()):
@@ -307,5 +340,36 @@ SPECS = (
         f"{STORE}.pool_scheduler:KVPoolScheduler._make_layerwise_gva_keys_for_hit_check",
         make_hit_keys,
         precondition=_scheduler_ok,
+    ),
+)
+
+
+STEP_END_GROUP = Group(
+    "gdn_tp_step_end",
+    ASCEND_026,
+    risk="at TP > KV heads a non-leader rank's step ends before its GDN copies: its sending thread stops on 'save failed'",
+    why="a rank's step ends after its queued GDN save copies (an empty final-layer task behind them)",
+    # 0.25.1rc1: gdn_tp_finish queues the final-layer task (it finishes the keys there)
+    ported_to=(
+        (V025_026, "member gdn_tp_finish of group gdn_tp_keys (a final-layer task behind the rank's copies)"),
+        (V029_030, "member gdn_tp_step_end_030 (vllm-ascend drains the sending queue at the final layer)"),
+    ),
+)
+
+STEP_END_SPECS = (
+    STEP_END_GROUP.spec(
+        "gdn_tp_step_end",
+        f"{STORE}.pool_worker:KVPoolWorker._build_shared_save_data",
+        make_step_end,
+        precondition=_worker_ok(["self"], needs=("layer_save_tasks", "shared_block_data"), globals_=("LayerTransferTask",)),
+        after=("gdn_tp_finish",),
+    ),
+    STEP_END_GROUP.vouched(
+        "gdn_tp_step_end_030",
+        f"{STORE}.pool_worker:KVPoolWorker._wait_for_final_layer_save",
+        _drains_sends_030,
+        ranges=V029_030,
+        what="vllm-ascend 0.30.0rc2's drain of the sending queue at the final layer",
+        after=("mamba_lifetime_030", "send_stuck_030"),
     ),
 )

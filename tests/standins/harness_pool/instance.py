@@ -57,13 +57,6 @@ class PoolInstance:
         #: under MTP, the drafter replayed as a captured graph: its MTP layer computes without the
         #: connector's layer hooks (a full graph runs no Python wrapper)
         draft_graph: bool = False,
-        #: seconds each layer's compute takes (None: 5 ms at TP > KV heads, else none). A real layer
-        #: takes milliseconds, in which a sending thread copies the previous layer's blocks;
-        #: vllm-ascend 0.26.0rc1 relies on that at TP > KV heads, where a rank with nothing to save at
-        #: its last layer clears the step's save events without waiting for the earlier layers' copies
-        #: (a copy that ends after that stops its thread at the next step: README, "What still
-        #: stops"). With layers of no duration, a busy CPU let that race show in a test of keys
-        layer_compute_s: float | None = None,
         kv_load_failure_policy: str = "fail",  # vLLM's default
         additional_config: dict | None = None,  # vllm-ascend's (``--additional-config``)
         model_dir: str | None = None,  # the checkpoint folder (``checkpoint_dir``); default: one per (pattern, kv_heads)
@@ -139,7 +132,6 @@ class PoolInstance:
         self.mtp = mtp
         self.max_model_len = max_model_len
         self.draft_graph = draft_graph
-        self.layer_compute_s = (0.005 if tp > kv_heads else 0.0) if layer_compute_s is None else layer_compute_s
         self.mtp_layers = ["mtp.layers.0.self_attn.attn"] if mtp else []
         self.layer_index = {n: i for i, n in enumerate([*self.layer_order, *self.mtp_layers])}
         kv_per_rank = max(1, kv_heads // tp)

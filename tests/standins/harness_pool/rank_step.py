@@ -4,7 +4,6 @@ and TP's all-reduce of the hidden state (:class:`_RankStep`, the half of
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -383,8 +382,6 @@ class _RankStep:
         self.in_forward = True
         try:
             for name in self.inst.layer_order:
-                if self.inst.layer_compute_s:
-                    time.sleep(self.inst.layer_compute_s)
                 if name in self.inst.gdn_layers:
                     t = _torch.zeros(1, 1)
                     try:
