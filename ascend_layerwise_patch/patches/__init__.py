@@ -58,6 +58,7 @@ pool_load_recovery_policy pool_load_recovery 0.30: vllm-ascend refused kv_load_f
 mtp_layer               mtp_layer            under MTP the draft layer's pool KV was saved with layer 0, before the drafter wrote it
 mtp_step_end            mtp_layer            under MTP a step whose drafter did not run broke the layer sending thread ('save failed')
 mtp_decode_saves        mtp_decode_saves     save_decode_cache under MTP pooled decode blocks' GDN states before the align postprocess wrote them
+pool_hit_written        pool_hit_written     MemCache 1.2.x: a key another engine was still writing counted as a pool hit; its load failed
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from . import (
     mtp_decode_saves,
     mtp_layer,
     pool_hit_boundary,
+    pool_hit_written,
     pool_key_layout,
     pool_key_tp,
     pool_load_recovery,
@@ -108,4 +110,5 @@ SPECS = (
     *mtp_layer.SPECS,
     *mtp_layer.STEP_END_SPECS,
     *mtp_decode_saves.SPECS,
+    *pool_hit_written.SPECS,
 )

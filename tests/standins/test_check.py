@@ -220,6 +220,7 @@ import ascend_layerwise_patch
 print("IMPORTED", flush=True)
 import vllm_ascend.patch.worker, vllm_ascend.attention.utils
 import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector
+import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.memcache_backend  # the backend it is configured with
 print("END", flush=True)
 """
     )
@@ -227,7 +228,9 @@ print("END", flush=True)
     summaries = [i for i, line in enumerate(lines) if SUMMARY in line]
     assert len(summaries) == 1, proc.stdout[-3000:]
     assert lines.index("IMPORTED") < summaries[0] < lines.index("END"), proc.stdout[-3000:]
-    applied = sum(codes[PAIR] == "applied" for codes in expected_states().load()[1].values()) - 1  # all but the 310P one
-    assert f"]: {applied} applied, 0 fixed upstream, " in lines[summaries[0]], lines[summaries[0]]
+    table = expected_states().load()[1].values()
+    applied = sum(codes[PAIR] == "applied" for codes in table) - 1  # all but the 310P one
+    fixed = sum(codes[PAIR] == "fixed" for codes in table)
+    assert f"]: {applied} applied, {fixed} fixed upstream, " in lines[summaries[0]], lines[summaries[0]]
     assert lines[summaries[0]].endswith(" 0 failed, 1 pending; pending: gdn_layerwise_310p")
     assert len(lines[summaries[0]]) < 200, lines[summaries[0]]  # vLLM's prefix included, lines[summaries[0]]
