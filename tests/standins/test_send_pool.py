@@ -38,12 +38,13 @@ pytestmark = pytest.mark.pairs(*PAIRS)
 #: (a hung copy holds the step) and stops at a failed or raising copy before finishing any key
 #: (send_integrity_copy is skipped there as fixed upstream; test_upstream_detectors.py shows it).
 SENDS_OUTLIVE_STEPS = ("v0251",)
-#: Idle workloads: (tp, kv heads) and which save copies hang until the requests are done. On v0260
-#: a send outlives its step only on a TP rank that saves nothing at the model's last layer: at TP >
-#: KV heads, rank 1 saves its own GDN keys (gdn_tp_keys) while the attention layer is saved by the
-#: leader, so rank 1's last save_kv_layer does not wait for them.
-IDLE_LAYOUTS = [(1, 2), (2, 2)] if PAIR in SENDS_OUTLIVE_STEPS else [(2, 1)]
-IDLE_GATED = None if PAIR in SENDS_OUTLIVE_STEPS else (lambda key: key.endswith("@tp1"))
+#: Idle workloads (v0251 only): (tp, kv heads); every save copy hangs until the requests are done.
+#: On v0260 no send outlives its step: save_kv_layer waits for the step's last layer, and on a TP
+#: rank that saves nothing there (rank 1 at TP > KV heads: its own GDN keys, gdn_tp_keys) the last
+#: layer's task follows the rank's copies (gdn_tp_step_end; before it, such a rank's sends outlived
+#: its step, and its sending thread stopped the engine when one landed late: test_gdn_tp_keys.py).
+IDLE_LAYOUTS = [(1, 2), (2, 2)]
+IDLE_GATED = None
 
 _SALT = itertools.count(1)
 
@@ -123,6 +124,7 @@ def _check_pool(pool, inst: PoolInstance) -> int:
 SLOW_S = 0.5
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
 @pytest.mark.parametrize("tp, kv_heads", IDLE_LAYOUTS)
 def test_idle_engine_returns_every_block(patched, tp, kv_heads):
     pool = make_pool()
@@ -419,6 +421,7 @@ def without_push_work(patched, monkeypatch):
     monkeypatch.setattr(AscendStoreConnector, "has_pending_push_work", KVConnectorBase_V1.has_pending_push_work)
 
 
+@pytest.mark.pairs(*SENDS_OUTLIVE_STEPS)
 @pytest.mark.parametrize("case", ["without_push_work", "unpatched"])
 @pytest.mark.control("the idle-pin defect pinned without the fix (unpatched, or without its idle-step push)")
 def test_idle_controls_pin_blocks(case, request):

@@ -86,14 +86,18 @@ def make_no_reload(original):
 
 def _frames_after(request, num_scheduled_tokens) -> int:
     """Output frames of ``request`` still in flight after the step being updated (the one whose
-    ``num_scheduled_tokens`` this is): those of the steps scheduled after it. That step's own frame
-    is not among them: update_from_output skips a failed request, so its placeholder is never
-    counted down -- discarding ``num_output_placeholders`` frames would drop a good token later.
-    Without a record of the step (sync scheduling: no placeholders), the placeholders."""
+    ``num_scheduled_tokens`` this is): one per step scheduled after it for the request. That step's
+    own frame is not among them: update_from_output skips a failed request, so its placeholder is
+    never counted down. A frame is a step, not a placeholder: under speculative decoding a step
+    adds 1 + k placeholders and yields one frame (``_update_request_with_output`` discards one
+    frame per call); counting placeholders dropped the good frames after the recovery, and the
+    request, never updated again, ran past its max_tokens for ever (found by the pool simulation:
+    async scheduling, MTP 3, a failed load). Without a record of the step (sync scheduling: no
+    placeholders), the placeholders."""
     log = request.__dict__.get(_FRAMES) or []
     for i, entry in enumerate(log):
         if entry[0] is num_scheduled_tokens:
-            return sum(later[1] for later in log[i + 1 :])
+            return sum(1 for later in log[i + 1 :] if later[1] > 0)
     return request.num_output_placeholders
 
 

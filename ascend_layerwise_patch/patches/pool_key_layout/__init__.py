@@ -24,7 +24,10 @@ Why      Every layerwise MemCache key starts with ``model_name``, the last path 
 How      - Both halves, after their own ``__init__``, and only on the layerwise GVA path
            (``use_gva_layerwise``: use_layerwise with the MemCache backend), set ``model_name`` to
            a namespace, :func:`namespace`: ``alp<FORMAT>.<name>.<digest>.tp<size>.pp<size>s<stage>``
-           (``.cp<pcp>x<dcp>`` when context parallel is on), where ``digest`` is 12 hex digits of
+           (``.cp<pcp>x<dcp>`` when context parallel is on; ``.d<n>`` when a draft model puts ``n``
+           layers in the KV cache -- MTP's layer sits in the target's attention group, so its
+           blobs hold one layer more than a run without MTP: an instance without MTP read an MTP
+           instance's blobs at other offsets, found by the pool simulation), where ``digest`` is 12 hex digits of
            SHA-256 over the checkpoint's full path (``model_config.model``) and revision, or over
            ``ASCEND_LAYERWISE_PATCH_POOL_MODEL_ID`` when set (instances that mount one checkpoint
            under different paths name it the same way there). Every layerwise key -- upstream's,
@@ -87,20 +90,33 @@ GVA_CACHE_MAX = 65536
 RISK = "layerwise pool keys name no TP size, stage or checkpoint: another layout's bytes are read as a hit"
 
 
-def namespace(model, revision, *, tp: int, pp: int, stage: int | None, pcp: int = 1, dcp: int = 1, model_id=None) -> str:
+def namespace(model, revision, *, tp: int, pp: int, stage: int | None, pcp: int = 1, dcp: int = 1, draft: int = 0, model_id=None) -> str:
     """The ``model_name`` of every layerwise key of this layout (no ``@``: keys are split on it);
-    ``stage=None`` where upstream's key names the stage itself (vllm-ascend 0.30)."""
+    ``stage=None`` where upstream's key names the stage itself (vllm-ascend 0.30); ``draft``: the
+    draft model's layers in the KV cache (MTP), which the layerwise blobs hold too."""
     ident = model_id if model_id else f"{model}\0{revision or ''}"
     digest = hashlib.sha256(str(ident).encode()).hexdigest()[:12]
     named = str(model_id) if model_id else str(model)
     name = next((part for part in reversed(named.split("/")) if part), "model").replace("@", "_")
     layout = f"tp{tp}.pp{pp}" + ("" if stage is None else f"s{stage}") + (f".cp{pcp}x{dcp}" if pcp * dcp > 1 else "")
+    layout += f".d{draft}" if draft else ""
     return f"alp{FORMAT}.{name}.{digest}.{layout}"
 
 
-def layout_name(model_config, *, tp: int, pp: int, stage: int | None, pcp: int, dcp: int) -> str:
-    """:func:`namespace` of this process's checkpoint (``model_config``: its path and revision, or
+def draft_layers(vllm_config) -> int:
+    """The draft model's layers that vLLM puts in the KV cache (MTP: ``n_predict``), 0 without one."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if draft is None:
+        return 0
+    hf = getattr(draft, "hf_config", None)
+    return int(getattr(hf, "n_predict", None) or getattr(hf, "num_nextn_predict_layers", None) or 1)
+
+
+def layout_name(vllm_config, *, tp: int, pp: int, stage: int | None, pcp: int, dcp: int) -> str:
+    """:func:`namespace` of this process's checkpoint (its path and revision, or
     ``ASCEND_LAYERWISE_PATCH_POOL_MODEL_ID`` when set) at this layout."""
+    model_config = vllm_config.model_config
     return namespace(
         model_config.model,
         getattr(model_config, "revision", None),
@@ -109,6 +125,7 @@ def layout_name(model_config, *, tp: int, pp: int, stage: int | None, pcp: int, 
         stage=stage,
         pcp=pcp,
         dcp=dcp,
+        draft=draft_layers(vllm_config),
         model_id=os.environ.get(ENV_MODEL_ID),
     )
 
@@ -138,7 +155,7 @@ def make_init(original):
         if self.pp_size > 1:
             raise ValueError(refusal(self.pp_size))
         self.model_name = layout_name(
-            _vllm_config(original, args, kwargs).model_config,
+            _vllm_config(original, args, kwargs),
             tp=self.tp_size,
             pp=self.pp_size,
             stage=self.pp_rank,
@@ -223,7 +240,7 @@ def make_bind_030(original):
     def bind_layerwise_keys(*, vllm_config, kv_cache_config, model_name, use_hybrid, grouped_block_size):
         parallel = vllm_config.parallel_config
         name = layout_name(
-            vllm_config.model_config,
+            vllm_config,
             tp=parallel.tensor_parallel_size,
             pp=parallel.pipeline_parallel_size,
             stage=None,  # upstream's key names the stage (@pp<stage>)

@@ -1,0 +1,365 @@
+"""Seeded episodes on the pool harness: engines, requests and store faults drawn at random, every
+request held token for token against a run without the pool.
+
+An :class:`Episode` is data: 2-3 engine instances sharing ONE store, each with its shape (TP over 2 or
+1 KV heads, sync or async scheduling, MTP, chunk size, a block pool small enough to preempt, vLLM's
+``kv_load_failure_policy``) and the step at which it starts (later ones start into a warm pool, so
+their first step may be a hit); requests drawn from a prefix tree (a few shared prefixes, suffixes
+that diverge before, at and after block boundaries), each with its instance, arrival step and
+length; faults at chosen steps (a load copy that fails or raises, the keys of a prefix evicted
+between the hit check and the load). The instances step interleaved on one logical clock, so they
+write and read the same keys in turn.
+
+The same generator draws from ``random.Random(seed)`` (:func:`episode_from_seed`: CI seeds and
+``scripts/simulate.py``) or from Hypothesis (:func:`episodes`, whose shrinking reduces a failing
+episode; :meth:`Episode.as_test` prints it as a pytest case).
+
+The oracle (:func:`run_episode`): each request's tokens equal those of a run without the pool (an
+instance of the same MTP setting and scheduling); no GDN / attention read was wrong; once idle, no
+block is held (every block of each instance's pool is free); no step hung (the harness's step
+watchdog); no engine stopped unless the pair stops by design on what the episode injected -- the
+generator injects on each pair only faults its README row says it survives (0.26.0rc1 stops on a
+failed hybrid load by design: no load faults there).
+
+Assumes what the harness assumes (``harness_pool``): the stand-in model's tokens depend on every
+byte a step read; time is logical (steps), not measured.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+from support import PAIR
+
+from .engine import engine_loop
+from .instance import PoolInstance
+
+BLOCK = 16
+#: the fault kinds each pair's engine survives (README, "What still stops"): 0.26.0rc1 stops on a
+#: failed hybrid load by design, so its episodes inject none
+FAULT_KINDS = {"v0251": ("load_error", "load_raise", "evict"), "v0300": ("load_error", "load_raise", "evict")}.get(PAIR, ())
+#: a failed load is recomputed under ``recompute`` (``fail``, vLLM's default, ends the request with an
+#: error: a divergence). vllm-ascend refuses ``recompute`` for hybrid models without the library
+#: (load_failures_policy): library-off runs set ``ALP_SIM_POLICY=fail``.
+POLICY = os.environ.get("ALP_SIM_POLICY") or ("recompute" if FAULT_KINDS else "fail")
+
+
+@dataclass(frozen=True)
+class Shape:
+    tp: int = 1
+    kv_heads: int = 2
+    async_: bool = False
+    mtp: int = 0
+    chunk: int = 0  # long_prefill_token_threshold (0: vLLM's own chunking)
+    num_blocks: int = 64
+
+    def kwargs(self) -> dict:
+        kw = dict(tp=self.tp, kv_heads=self.kv_heads, async_scheduling=self.async_, mtp=self.mtp, num_blocks=self.num_blocks)
+        if self.chunk:
+            kw["long_prefill_token_threshold"] = self.chunk
+        return kw
+
+
+@dataclass(frozen=True)
+class Req:
+    instance: int
+    at: int  # the step of its instance's clock at which it arrives
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # load_error | load_raise | evict
+    instance: int
+    at: int  # the global step before which it is armed
+
+
+@dataclass(frozen=True)
+class Episode:
+    seed: int
+    shapes: tuple[Shape, ...]
+    starts: tuple[int, ...]  # the global step at which each instance starts
+    requests: tuple[Req, ...]
+    faults: tuple[Fault, ...] = ()
+
+    def as_test(self, name: str = "") -> str:
+        """A ready-to-paste pytest case that runs this episode."""
+        return (
+            f"def test_episode_{name or self.seed}():\n"
+            f"    check(run_episode({self!r}))\n"
+        )
+
+
+# ----------------------------------------------------------------------------------------- drawing
+class _Random:
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi)
+
+    def pick(self, options):
+        return options[self.rng.randrange(len(options))]
+
+
+class _Hypothesis:
+    def __init__(self, data):
+        self.data = data
+
+    def int(self, lo: int, hi: int) -> int:
+        from hypothesis import strategies as st
+
+        return self.data.draw(st.integers(lo, hi))
+
+    def pick(self, options):
+        from hypothesis import strategies as st
+
+        return self.data.draw(st.sampled_from(options))
+
+
+def _draw(d, seed: int = 0) -> Episode:
+    n = d.int(2, 3)
+    shapes = []
+    for _ in range(n):
+        tp = d.pick((1, 1, 2))
+        shapes.append(
+            Shape(
+                tp=tp,
+                kv_heads=d.pick((2, 1)) if tp == 2 else 2,
+                async_=bool(d.int(0, 1)),
+                mtp=d.pick((0, 0, 1, 3)),
+                chunk=d.pick((0, 16, 32)),
+                num_blocks=d.pick((48, 64, 128)),
+            )
+        )
+    starts = tuple(sorted(d.int(0, 6) for _ in range(n)))
+    # a prefix tree: 1-3 shared prefixes of 1-4 blocks (+ 0-15 tokens), each request one of them
+    # and a suffix of 0-20 tokens, or a fresh prompt
+    prefixes = []
+    for p in range(d.int(1, 3)):
+        length = d.int(1, 4) * BLOCK + d.pick((0, 0, 1, 8, 15))
+        prefixes.append(tuple(range(1000 * (p + 1), 1000 * (p + 1) + length)))
+    requests = []
+    for r in range(d.int(2, 6)):
+        base = prefixes[d.int(0, len(prefixes) - 1)] if d.int(0, 4) else ()
+        suffix = tuple(7 + r * 31 + i for i in range(d.pick((0, 1, 5, 16, 20))))
+        prompt = base + suffix or (5, 6, 7)
+        requests.append(Req(instance=d.int(0, n - 1), at=d.int(0, 5), prompt=prompt, max_tokens=d.int(1, 6)))
+    faults = []
+    for _ in range(d.int(0, 2) if FAULT_KINDS else 0):
+        faults.append(Fault(kind=d.pick(FAULT_KINDS), instance=d.int(0, n - 1), at=d.int(0, 10)))
+    return Episode(seed, tuple(shapes), starts, tuple(requests), tuple(faults))
+
+
+def episode_from_seed(seed: int) -> Episode:
+    return _draw(_Random(seed), seed)
+
+
+def episodes():
+    """A Hypothesis strategy of episodes (shrinks towards fewer instances, requests and faults)."""
+    from hypothesis import strategies as st
+
+    return st.data().map(lambda data: _draw(_Hypothesis(data)))
+
+
+# ----------------------------------------------------------------------------------------- running
+@dataclass
+class Result:
+    episode: Episode
+    requests: int = 0
+    tokens: int = 0
+    divergences: list = field(default_factory=list)  # (instance, request, tokens, reference)
+    wrong_reads: int = 0
+    leaks: list = field(default_factory=list)  # (instance, held blocks)
+    stops: list = field(default_factory=list)  # (instance, error)
+    faults: dict = field(default_factory=dict)  # kind -> copies it hit (evict: keys)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.divergences or self.wrong_reads or self.leaks or self.stops)
+
+
+def _reference(ep: Episode) -> dict[tuple[int, int], list[int]]:
+    """Each request's tokens on an instance without the pool with its instance's MTP / scheduling."""
+    out = {}
+    by_kind: dict[tuple[int, bool], list[int]] = {}
+    for i, req in enumerate(ep.requests):
+        shape = ep.shapes[req.instance]
+        by_kind.setdefault((shape.mtp, shape.async_), []).append(i)
+    for (mtp, async_), idx in by_kind.items():
+        ref = PoolInstance(None, name="reference", mtp=mtp, async_scheduling=async_, num_blocks=256)
+        try:
+            for i in idx:
+                ref.add_request(f"r{i}", list(ep.requests[i].prompt), max_tokens=ep.requests[i].max_tokens)
+            engine_loop(ref)
+            for i in idx:
+                out[i] = list(ref.outputs.get(f"r{i}", []))
+        finally:
+            ref.close()
+    return out
+
+
+def _arm(pool, inst: PoolInstance, fault: Fault, result: Result) -> None:
+    from byte_store import G2L
+
+    if fault.kind in ("load_error", "load_raise"):
+        f = pool.add_fault("error" if fault.kind == "load_error" else "raise", direction=G2L, times=1)
+        result.faults.setdefault(fault.kind, []).append(f)
+    else:  # evict: the next step's hits lose their keys between the hit check and the load
+        def evict(_inst, so, _done=[]):  # noqa: B006 -- once
+            if _done or not so.scheduled_new_reqs:
+                return
+            _done.append(True)
+            gone = pool.evict(lambda key: True)
+            result.faults.setdefault("evict", []).append(len(gone))
+
+        inst.after_schedule = evict
+
+
+def run_episode(ep: Episode, pool=None, max_steps: int = 400) -> Result:
+    from harness_pool import make_pool
+
+    result = Result(ep, requests=len(ep.requests))
+    reference = _reference(ep)
+    pool = pool if pool is not None else make_pool("bytes")
+    insts: list[PoolInstance | None] = [None] * len(ep.shapes)
+    reqs: dict[int, object] = {}  # vLLM's Request of each request: its output_token_ids are what the user got
+    stopped: set[int] = set()
+    try:
+        for t in range(max_steps):
+            for i, shape in enumerate(ep.shapes):
+                if t == ep.starts[i]:
+                    insts[i] = PoolInstance(pool, name=f"E{i}", kv_load_failure_policy=POLICY, **shape.kwargs())
+            for fault in ep.faults:
+                if fault.at == t and insts[fault.instance] is not None:
+                    _arm(pool, insts[fault.instance], fault, result)
+            for i, inst in enumerate(insts):
+                if inst is None or i in stopped:
+                    continue
+                for k, req in enumerate(ep.requests):
+                    if req.instance == i and req.at == t - ep.starts[i]:
+                        reqs[k] = inst.add_request(f"r{k}", list(req.prompt), max_tokens=req.max_tokens)
+                if inst.has_work():
+                    try:
+                        inst.step()
+                    except Exception as exc:  # an engine that stopped (RankFailure, RuntimeError, a hang)
+                        result.stops.append((i, f"{type(exc).__name__}: {str(exc)[:400]}"))
+                        stopped.add(i)
+            last_arrival = max((ep.starts[r.instance] + r.at for r in ep.requests), default=0)
+            if t > max(ep.starts) and t > last_arrival and not any(
+                inst is not None and i not in stopped and inst.has_work() for i, inst in enumerate(insts)
+            ):
+                break
+        for i, inst in enumerate(insts):
+            if inst is None or i in stopped:
+                continue
+            for k, req in enumerate(ep.requests):
+                if req.instance != i:
+                    continue
+                request = reqs[k]
+                got = list(request.output_token_ids)
+                result.tokens += len(reference[k])
+                if got != reference[k] or request.status.name == "FINISHED_ERROR":
+                    result.divergences.append((i, f"r{k}", got, reference[k], request.status.name))
+            # a step whose load failed computed on what it did not load: its reads are wrong by design
+            # and its tokens discarded (the requests are recomputed), so they are not counted. The
+            # failure is reported in that step's output or up to two steps later (async scheduling's
+            # batch queue; at TP > 1 the ranks' agreement round), and under async scheduling the step
+            # after it was already in flight, built on it: the tokens are the oracle for those steps.
+            reported = [s for s, out in enumerate(inst.kv_outputs) if out is not None and out.invalid_block_ids]
+            failed_steps = {s + lag for s in reported for lag in range(-2, 3)}
+            result.wrong_reads += sum(
+                1 for kind in ("gdn", "attn") for r in inst.wrong_reads(kind=kind) if r.step not in failed_steps
+            )
+            block_pool = inst.scheduler.kv_cache_manager.block_pool
+            held = block_pool.num_gpu_blocks - 1 - block_pool.get_num_free_blocks()
+            if held:
+                result.leaks.append((i, held))
+    finally:
+        pool.clear_faults()
+        for inst in insts:
+            if inst is not None:
+                inst.close()
+    return result
+
+
+def check(result: Result) -> None:
+    """Fails with the episode, what went wrong and a ready-to-paste case."""
+    if result.ok:
+        return
+    raise AssertionError(
+        f"episode {result.episode.seed}: divergences {result.divergences[:3]}, wrong reads {result.wrong_reads}, "
+        f"leaks {result.leaks}, stops {result.stops}\n\n{result.episode.as_test()}"
+    )
+
+
+# --------------------------------------------------------------------------------------- shrinking
+def _smaller(ep: Episode):
+    """Episodes one step smaller than ``ep``: a fault, a request or an instance fewer, shorter outputs
+    and prompts, later starts made earlier, simpler shapes."""
+    import dataclasses
+
+    for k in range(len(ep.faults)):
+        yield dataclasses.replace(ep, faults=ep.faults[:k] + ep.faults[k + 1 :])
+    for k in range(len(ep.requests)):
+        if len(ep.requests) > 1:
+            yield dataclasses.replace(ep, requests=ep.requests[:k] + ep.requests[k + 1 :])
+    for i in range(len(ep.shapes)):
+        if len(ep.shapes) > 1 and not any(r.instance == i for r in ep.requests):
+            keep = [j for j in range(len(ep.shapes)) if j != i]
+            renum = {j: n for n, j in enumerate(keep)}
+            yield dataclasses.replace(
+                ep,
+                shapes=tuple(ep.shapes[j] for j in keep),
+                starts=tuple(ep.starts[j] for j in keep),
+                requests=tuple(dataclasses.replace(r, instance=renum[r.instance]) for r in ep.requests),
+                faults=tuple(dataclasses.replace(f, instance=renum[f.instance]) for f in ep.faults if f.instance in renum),
+            )
+    for k, r in enumerate(ep.requests):
+        for smaller in (
+            dataclasses.replace(r, max_tokens=1) if r.max_tokens > 1 else None,
+            dataclasses.replace(r, at=0) if r.at else None,
+            dataclasses.replace(r, prompt=r.prompt[: len(r.prompt) - BLOCK]) if len(r.prompt) > BLOCK + 1 else None,
+        ):
+            if smaller is not None:
+                yield dataclasses.replace(ep, requests=ep.requests[:k] + (smaller,) + ep.requests[k + 1 :])
+    for i, s in enumerate(ep.shapes):
+        for simpler in (
+            dataclasses.replace(s, mtp=0) if s.mtp else None,
+            dataclasses.replace(s, async_=False) if s.async_ else None,
+            dataclasses.replace(s, chunk=0) if s.chunk else None,
+            dataclasses.replace(s, tp=1, kv_heads=2) if s.tp > 1 else None,
+        ):
+            if simpler is not None:
+                yield dataclasses.replace(ep, shapes=ep.shapes[:i] + (simpler,) + ep.shapes[i + 1 :])
+    if any(ep.starts):
+        yield dataclasses.replace(ep, starts=tuple(0 for _ in ep.starts))
+
+
+def size(ep: Episode) -> int:
+    """What shrinking reduces: instances, requests, faults, output tokens, prompt blocks, shape options."""
+    return (
+        10 * len(ep.shapes) + 5 * len(ep.requests) + 5 * len(ep.faults)
+        + sum(r.max_tokens + len(r.prompt) // BLOCK + (r.at > 0) for r in ep.requests)
+        + sum((s.mtp > 0) + s.async_ + (s.chunk > 0) + (s.tp > 1) for s in ep.shapes) + (sum(ep.starts) > 0)
+    )
+
+
+def shrink(ep: Episode, fails, budget: int = 200) -> Episode:
+    """Greedy delta debugging: the smallest episode found (within ``budget`` runs) for which
+    ``fails(episode)`` still holds."""
+    runs = 0
+    improved = True
+    while improved and runs < budget:
+        improved = False
+        for candidate in _smaller(ep):
+            runs += 1
+            if fails(candidate):
+                ep, improved = candidate, True
+                break
+            if runs >= budget:
+                break
+    return ep
