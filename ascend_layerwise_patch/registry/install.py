@@ -149,6 +149,8 @@ class Places:
             if current is ours:
                 wrapt().apply_patch(parent, attribute, target.original)
         current = raw(target.parent, target.attribute)
+        if current is target.original:  # an alias named the target's own place (a class re-bound
+            return None  # under its name since, e.g. vllm-ascend's balance scheduler): restored there
         if current is not ours:
             return current
         _restore(target)

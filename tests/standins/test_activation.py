@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import pytest
 
-from support import ROOT, on, run_python
+from support import PAIR, ROOT, on, run_python
 
 STANDINS = f"""
 import importlib.util, json, sys
@@ -375,3 +375,38 @@ def test_one_summary_line_through_vllms_logger():
     lines = [line for line in proc.stdout.splitlines() if "ascend_layerwise_patch [vllm " in line]
     assert len(lines) == 1, proc.stdout
     assert lines[0].startswith("INFO ") and "[summary.py:" in lines[0]  # vLLM's format, vLLM's handler
+
+
+@pytest.mark.pairs("v0251", "v0260", "v0300")
+def test_revert_after_the_harness_setup_leaves_no_patch():
+    """``revert()`` undoes everything it installed, also where vllm-ascend re-bound a patched class under
+    its name since (0.25.1rc1's balance scheduler subclasses vLLM's ``Scheduler``; ``load_fail_scheduler``
+    patches the base class through a ``Scheduler.__base__`` alias: the alias restored the target's own
+    place, and revert reported the target as replaced by someone else -- a conflict, left in place)."""
+    import importlib
+
+    from harness_pool import setup_runtime
+
+    import ascend_layerwise_patch
+    from ascend_layerwise_patch.registry.install import split_path
+
+    setup_runtime()
+    reg = ascend_layerwise_patch.REGISTRY
+    try:
+        states = reg.revert()
+        left = []
+        for spec in reg.specs:
+            module_name, attr_path = split_path(spec.target)
+            try:
+                obj = importlib.import_module(module_name)
+                for part in attr_path.split("."):
+                    obj = getattr(obj, part)
+            except Exception:  # noqa: BLE001 - not importable on this pair
+                continue
+            if type(obj).__module__.startswith("wrapt"):
+                left.append(spec.name)
+        print(f"\nrevert on {PAIR}: {len(states)} states, {len(left)} patches left")
+        assert [st.name for st in states if st.state == "conflict"] == []
+        assert left == []
+    finally:
+        reg.activate()
