@@ -110,7 +110,7 @@ def table(pair: str, rows: list[dict], seconds: float) -> str:
         f"| episodes | {len(rows)} |",
         f"| requests | {sum(r.get('requests', 0) for r in rows)} |",
         f"| tokens compared | {sum(r.get('tokens', 0) for r in rows)} |",
-        f"| faults injected | {', '.join(f'{k} {v}' for k, v in sorted(faults.items())) or 'none'} |",
+        f"| faults that hit (copies; evict: keys) | {', '.join(f'{k} {v}' for k, v in sorted(faults.items())) or 'none'} |",
         f"| divergences | {sum(r.get('divergences', 0) for r in rows)} |",
         f"| wrong reads | {sum(r.get('wrong_reads', 0) for r in rows)} |",
         f"| hangs | {sum(r.get('hangs', 0) for r in rows)} |",

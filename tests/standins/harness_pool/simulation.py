@@ -6,8 +6,9 @@ An :class:`Episode` is data: 2-3 engine instances sharing ONE store, each with i
 ``kv_load_failure_policy``) and the step at which it starts (later ones start into a warm pool, so
 their first step may be a hit); requests drawn from a prefix tree (a few shared prefixes, suffixes
 that diverge before, at and after block boundaries), each with its instance, arrival step and
-length; faults at chosen steps (a load copy that fails or raises, the keys of a prefix evicted
-between the hit check and the load). The instances step interleaved on one logical clock, so they
+length and, for some, an abort a few steps after arrival (during its load or its sends); faults at
+chosen steps (a load copy that fails or raises, the keys of a prefix evicted between the hit check
+and the load; on 0.25.1rc1 a save copy that fails or raises). The instances step interleaved on one logical clock, so they
 write and read the same keys in turn.
 
 The same generator draws from ``random.Random(seed)`` (:func:`episode_from_seed`: CI seeds and
@@ -38,8 +39,12 @@ from .instance import PoolInstance
 
 BLOCK = 16
 #: the fault kinds each pair's engine survives (README, "What still stops"): 0.26.0rc1 stops on a
-#: failed hybrid load by design, so its episodes inject none
-FAULT_KINDS = {"v0251": ("load_error", "load_raise", "evict"), "v0300": ("load_error", "load_raise", "evict")}.get(PAIR, ())
+#: failed hybrid load by design, and 0.26 / 0.30 stop on a failed or raising save copy (their sending
+#: thread stops before any key is finished): save faults on 0.25.1rc1 only
+FAULT_KINDS = {
+    "v0251": ("load_error", "load_raise", "evict", "save_error", "save_raise"),
+    "v0300": ("load_error", "load_raise", "evict"),
+}.get(PAIR, ())
 #: a failed load is recomputed under ``recompute`` (``fail``, vLLM's default, ends the request with an
 #: error: a divergence). vllm-ascend refuses ``recompute`` for hybrid models without the library
 #: (load_failures_policy): library-off runs set ``ALP_SIM_POLICY=fail``.
@@ -68,11 +73,12 @@ class Req:
     at: int  # the step of its instance's clock at which it arrives
     prompt: tuple[int, ...]
     max_tokens: int
+    abort_after: int | None = None  # aborted this many steps after it arrived (during a load, a send)
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # load_error | load_raise | evict
+    kind: str  # load_error | load_raise | evict | save_error | save_raise
     instance: int
     at: int  # the global step before which it is armed
 
@@ -147,7 +153,8 @@ def _draw(d, seed: int = 0) -> Episode:
         base = prefixes[d.int(0, len(prefixes) - 1)] if d.int(0, 4) else ()
         suffix = tuple(7 + r * 31 + i for i in range(d.pick((0, 1, 5, 16, 20))))
         prompt = base + suffix or (5, 6, 7)
-        requests.append(Req(instance=d.int(0, n - 1), at=d.int(0, 5), prompt=prompt, max_tokens=d.int(1, 6)))
+        abort_after = d.pick((None, None, None, None, 0, 1, 2))
+        requests.append(Req(instance=d.int(0, n - 1), at=d.int(0, 5), prompt=prompt, max_tokens=d.int(1, 6), abort_after=abort_after))
     faults = []
     for _ in range(d.int(0, 2) if FAULT_KINDS else 0):
         faults.append(Fault(kind=d.pick(FAULT_KINDS), instance=d.int(0, n - 1), at=d.int(0, 10)))
@@ -203,10 +210,11 @@ def _reference(ep: Episode) -> dict[tuple[int, int], list[int]]:
 
 
 def _arm(pool, inst: PoolInstance, fault: Fault, result: Result) -> None:
-    from byte_store import G2L
+    from byte_store import G2L, L2G
 
-    if fault.kind in ("load_error", "load_raise"):
-        f = pool.add_fault("error" if fault.kind == "load_error" else "raise", direction=G2L, times=1)
+    if fault.kind in ("load_error", "load_raise", "save_error", "save_raise"):
+        direction = G2L if fault.kind.startswith("load") else L2G
+        f = pool.add_fault("error" if fault.kind.endswith("error") else "raise", direction=direction, times=1)
         result.faults.setdefault(fault.kind, []).append(f)
     else:  # evict: the next step's hits lose their keys between the hit check and the load
         def evict(_inst, so, _done=[]):  # noqa: B006 -- once
@@ -228,6 +236,7 @@ def run_episode(ep: Episode, pool=None, max_steps: int = 400) -> Result:
     insts: list[PoolInstance | None] = [None] * len(ep.shapes)
     reqs: dict[int, object] = {}  # vLLM's Request of each request: its output_token_ids are what the user got
     stopped: set[int] = set()
+    aborted: set[int] = set()  # their tokens are not compared (an abort ends a request early)
     try:
         for t in range(max_steps):
             for i, shape in enumerate(ep.shapes):
@@ -242,6 +251,13 @@ def run_episode(ep: Episode, pool=None, max_steps: int = 400) -> Result:
                 for k, req in enumerate(ep.requests):
                     if req.instance == i and req.at == t - ep.starts[i]:
                         reqs[k] = inst.add_request(f"r{k}", list(req.prompt), max_tokens=req.max_tokens)
+                for k, req in enumerate(ep.requests):
+                    if req.instance == i and req.abort_after is not None and t - ep.starts[i] == req.at + req.abort_after:
+                        from vllm.v1.request import RequestStatus
+
+                        if k in reqs and not reqs[k].is_finished():
+                            inst.scheduler.finish_requests(f"r{k}", RequestStatus.FINISHED_ABORTED)
+                            aborted.add(k)
                 if inst.has_work():
                     try:
                         inst.step()
@@ -257,7 +273,7 @@ def run_episode(ep: Episode, pool=None, max_steps: int = 400) -> Result:
             if inst is None or i in stopped:
                 continue
             for k, req in enumerate(ep.requests):
-                if req.instance != i:
+                if req.instance != i or k in aborted:
                     continue
                 request = reqs[k]
                 got = list(request.output_token_ids)
@@ -322,6 +338,7 @@ def _smaller(ep: Episode):
         for smaller in (
             dataclasses.replace(r, max_tokens=1) if r.max_tokens > 1 else None,
             dataclasses.replace(r, at=0) if r.at else None,
+            dataclasses.replace(r, abort_after=None) if r.abort_after is not None else None,
             dataclasses.replace(r, prompt=r.prompt[: len(r.prompt) - BLOCK]) if len(r.prompt) > BLOCK + 1 else None,
         ):
             if smaller is not None:
@@ -343,7 +360,7 @@ def size(ep: Episode) -> int:
     """What shrinking reduces: instances, requests, faults, output tokens, prompt blocks, shape options."""
     return (
         10 * len(ep.shapes) + 5 * len(ep.requests) + 5 * len(ep.faults)
-        + sum(r.max_tokens + len(r.prompt) // BLOCK + (r.at > 0) for r in ep.requests)
+        + sum(r.max_tokens + len(r.prompt) // BLOCK + (r.at > 0) + (r.abort_after is not None) for r in ep.requests)
         + sum((s.mtp > 0) + s.async_ + (s.chunk > 0) + (s.tp > 1) for s in ep.shapes) + (sum(ep.starts) > 0)
     )
 
