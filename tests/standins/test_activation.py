@@ -370,7 +370,8 @@ def test_disabled_by_environment():
 def test_one_summary_line_through_vllms_logger():
     worker = "import vllm_ascend.patch.worker, vllm_ascend.attention.utils\n" + (
         "import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector\n"
-    )  # what a worker imports: every group settles (the 310P one counts as settled: not imported)
+        "import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.memcache_backend\n"
+    )  # what a worker with the MemCache pool imports: every group settles (the 310P one counts as settled: not imported)
     proc = run_python(STANDINS + "import ascend_layerwise_patch\n" + worker)
     lines = [line for line in proc.stdout.splitlines() if "ascend_layerwise_patch [vllm " in line]
     assert len(lines) == 1, proc.stdout
