@@ -67,7 +67,7 @@ import functools
 import importlib
 
 from .._checks import Group
-from .._ranges import ASCEND_026, V025_026, V029_030
+from .._ranges import ASCEND_026, V025, V025_026, V029_030
 from .._targets import STORE
 from .._checks import expects as _expects
 from .._checks import source as _source
@@ -351,7 +351,7 @@ STEP_END_GROUP = Group(
     why="a rank's step ends after its queued GDN save copies (an empty final-layer task behind them)",
     # 0.25.1rc1: gdn_tp_finish queues the final-layer task (it finishes the keys there)
     ported_to=(
-        (V025_026, "member gdn_tp_finish of group gdn_tp_keys (a final-layer task behind the rank's copies)"),
+        (V025, "member gdn_tp_finish of group gdn_tp_keys (a final-layer task behind the rank's copies)"),
         (V029_030, "member gdn_tp_step_end_030 (vllm-ascend drains the sending queue at the final layer)"),
     ),
 )
