@@ -72,7 +72,7 @@ def make_exists(original):
         if not _scheduler(self) or len(states) != len(keys):
             return states
         ok = confirmed(self, list(keys), [s == 1 for s in states])
-        return [1 if s == 1 and c else (0 if s == 1 else s) for s, c in zip(states, ok)]
+        return [0 if s == 1 and not c else s for s, c in zip(states, ok)]
 
     return exists
 
@@ -104,8 +104,9 @@ def make_key_info(original):
         infos = original(self, keys, *args, **kwargs)
         if not _scheduler(self) or infos is None or len(infos) != len(keys):
             return infos
-        ok = confirmed(self, list(keys), [_has_size(i) for i in infos])
-        return [i if c or not _has_size(i) else Absent() for i, c in zip(infos, ok)]
+        sized = [_has_size(i) for i in infos]
+        ok = confirmed(self, list(keys), sized)
+        return [Absent() if has and not c else i for i, has, c in zip(infos, sized, ok)]
 
     return batch_get_key_info
 
