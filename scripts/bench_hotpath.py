@@ -150,7 +150,7 @@ def main() -> int:
     print(f"apply every patch with targets imported: {result['apply_all_ms']} ms")
     if args.quick:
         print("quick run (CI smoke, few iterations, CPU): the times and ratios above are not judged -- only "
-              "that every case runs; the README's figures come from a full run")
+              "that every case runs; docs/measured.md's figures come from a full run")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -1,15 +1,18 @@
 """The table of every patch's expected state per pair (scripts/expected_states.txt), and the
-README's list of groups (rendered from the index, patches/__init__.py's docstring).
+list of groups (rendered from the index, patches/__init__.py's docstring): docs/patches.md shows both.
 
-    python scripts/expected_states.py            print the README's table (markdown)
-    python scripts/expected_states.py --readme   rewrite both README blocks in place
+    python scripts/expected_states.py            print the expected-states table (markdown)
+    python scripts/expected_states.py --readme   rewrite both generated blocks in place, in the file
+                                                 of README.md and docs/*.md that holds each one's
+                                                 markers (today docs/patches.md)
 
 The tests read the table through :func:`load` and :func:`code_of` (tests/support.py): each pair's
-``check --cpu --json`` must match its column, and the README must hold :func:`markdown`'s output.
+``check --cpu --json`` must match its column, and the docs must hold :func:`markdown`'s output.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +29,30 @@ WORDS = {
     "range": "out of range",
     "noimport": "does not import",
 }
+
+
+def doc_files() -> list[Path]:
+    """README.md and docs/*.md: the files a generated block may live in."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def holder(begin: str) -> Path:
+    """The one file of :func:`doc_files` that holds the block whose first line is ``begin``."""
+    found = [path for path in doc_files() if begin in path.read_text()]
+    if len(found) != 1:
+        names = [str(path.relative_to(ROOT)) for path in found]
+        raise ValueError(f"{begin} is in {names or 'none of README.md, docs/*.md'}: want exactly one file")
+    return found[0]
+
+
+def rewrite(block: str, begin: str, end: str) -> Path:
+    """Puts ``block`` in place of the one between ``begin`` and ``end`` (markers included), in the
+    file that holds them; returns that file."""
+    path = holder(begin)
+    text = path.read_text()
+    start, stop = text.index(begin), text.index(end) + len(end)
+    path.write_text(text[:start] + block + text[stop:])
+    return path
 
 
 def load(path: Path = TABLE) -> tuple[list[str], dict[str, dict[str, str]]]:
@@ -92,10 +119,13 @@ def groups() -> list[tuple[str, str, str]]:
     return rows
 
 
-def groups_block() -> str:
+def groups_block(where: Path | None = None) -> str:
+    """The list of groups, its links relative to ``where`` (default: the file that holds the block now)."""
+    up = os.path.relpath(ROOT, (where or holder(GROUPS_BEGIN)).parent)
+    base = "" if up == "." else up.replace(os.sep, "/") + "/"
     rows = ["| group | package (its docstring is the group's text) | what it fixes |", "|---|---|---|"]
     rows += [
-        f"| `{group}` | [`{package}`](ascend_layerwise_patch/patches/{package}/__init__.py) | {what} |"
+        f"| `{group}` | [`{package}`]({base}ascend_layerwise_patch/patches/{package}/__init__.py) | {what} |"
         for group, package, what in groups()
     ]
     return f"{GROUPS_BEGIN}\n" + "\n".join(rows) + f"\n{GROUPS_END}"
@@ -103,12 +133,8 @@ def groups_block() -> str:
 
 def main(argv: list[str]) -> int:
     if argv == ["--readme"]:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        for block, (begin, end_marker) in ((readme_block(), (BEGIN, END)), (groups_block(), (GROUPS_BEGIN, GROUPS_END))):
-            start, end = text.index(begin), text.index(end_marker) + len(end_marker)
-            text = text[:start] + block + text[end:]
-        readme.write_text(text)
+        rewrite(readme_block(), BEGIN, END)
+        rewrite(groups_block(), GROUPS_BEGIN, GROUPS_END)
         return 0
     print(markdown())
     return 0

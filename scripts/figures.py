@@ -1,8 +1,9 @@
-"""The README's figures block -- times per stage, disk per environment, counts of patches -- from
-one `bash scripts/matrix.sh` log and the tables the tests hold the code to.
+"""The figures block of docs/measured.md -- times per stage, disk per environment, counts of
+patches -- from one `bash scripts/matrix.sh` log and the tables the tests hold the code to.
 
     python scripts/figures.py MATRIX_LOG            print the block
-    python scripts/figures.py MATRIX_LOG --readme   rewrite the README's block in place
+    python scripts/figures.py MATRIX_LOG --readme   rewrite the block in place, in the file of
+                                                    README.md and docs/*.md that holds its markers
 
 From the log (scripts/matrix.sh prints these on every run): ``matrix: environments ready in N s``,
 ``=== NAME: exit RC in N s`` per suite, ``matrix: N pairs in N s``, ``matrix: disk: ENV SIZE`` per
@@ -11,7 +12,7 @@ the log carries a scripts/check.sh run's output too (run it first, on a clean cl
 log, stdout and stderr), its ``check.sh: exit 0 in N s``. Patch
 counts come from scripts/expected_states.txt, pairs from scripts/pairs.txt, groups from the index
 (patches/__init__.py). tests/unit/test_figures.py checks the block against those tables and that
-the README's prose quotes no other such figure.
+the prose of the README and docs/ quotes no other such figure.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import expected_states  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 BEGIN = "<!-- figures: begin (python scripts/figures.py MATRIX_LOG --readme) -->"
 END = "<!-- figures: end -->"
 UNITS = {"K": 1e-6, "M": 1e-3, "G": 1.0, "T": 1e3}
@@ -112,10 +112,7 @@ def main(argv: list[str]) -> int:
         return 2
     text = block(parse(Path(argv[0]).read_text(errors="replace")))
     if argv[1:] == ["--readme"]:
-        readme = ROOT / "README.md"
-        old = readme.read_text()
-        start, end = old.index(BEGIN), old.index(END) + len(END)
-        readme.write_text(old[:start] + text + old[end:])
+        expected_states.rewrite(text, BEGIN, END)
     else:
         print(text)
     return 0

@@ -63,7 +63,7 @@ if [ -x "$root/v0300/bin/python" ]; then  # pool_metrics' 0.30 members: upstream
 fi
 
 echo "matrix: ${#pairs[@]} pairs in $(( $(date +%s) - start )) s"
-# the figures the README quotes, measured on every run
+# the figures docs/measured.md quotes, measured on every run
 bench=$(du -sh .bench 2>/dev/null | cut -f1)
 for env in "$root"/*/; do  # one line per environment (scripts/figures.py reads them)
   echo "matrix: disk: $(basename "$env") $(du -sh "$env" 2>/dev/null | cut -f1)"

@@ -99,8 +99,22 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300):
     )
 
 
+def doc_files() -> list[Path]:
+    """README.md, then docs/*.md in name order: the operator's page and the pages it links, whose
+    text the documentation tests read (a section, a block or a generated table may sit in any)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def doc_text(*names: str) -> str:
+    """The text of the named files (paths from the repository root: ``README.md``,
+    ``docs/metrics.md``), or, with no names, of every file of :func:`doc_files`, one after the other."""
+    paths = [ROOT / name for name in names] if names else doc_files()
+    return "\n\n".join(path.read_text() for path in paths)
+
+
 def expected_states():
-    """scripts/expected_states.py, loaded by path (the table's reader and the README renderer)."""
+    """scripts/expected_states.py, loaded by path (the table's reader and the renderer of
+    docs/patches.md's two generated tables)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("expected_states", ROOT / "scripts" / "expected_states.py")

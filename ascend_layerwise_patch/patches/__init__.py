@@ -20,7 +20,8 @@ of the repository, as below, and holds the files that changed to this list):
     scripts/pairs.txt                            its line (scripts/env.sh installs it)
     ascend_layerwise_patch/patches/_ranges.py    the named ranges that admit it (every group declared for one follows)
     scripts/expected_states.txt                  its column: ``check --cpu --json`` on it, each patch's reason read
-    README.md                                    its row in the version table; ``python scripts/expected_states.py --readme``
+    README.md                                    its row in the version table
+    docs/patches.md                              its column of the expected-states table: ``python scripts/expected_states.py --readme``
     setup.cfg                                    the ``vllm`` extra, where ``_ranges.SUPPORTED``'s vLLM range moved
 
 and, only where the pair behaves differently from the one before it, the packages of the groups whose

@@ -412,7 +412,7 @@ def test_030_a_pool_hit_shows_its_state_bytes_next_to_upstreams_figures(library)
     up = _upstream_figures(tap, b)
     print(f"\n0.30 clean hit: mamba state bytes expected {expected:.0f}, scraped {got[MAMBA]:.0f}; vllm-ascend's own: {up}")
     assert got == ZERO | {MAMBA: expected}
-    # vllm-ascend's own four are registered and stay 0 on the layerwise path (README: why)
+    # vllm-ascend's own four are registered and stay 0 on the layerwise path (docs/metrics.md: why)
     assert up == dict.fromkeys(UPSTREAM_030, 0.0)
     lines = tap.log_lines()
     assert len(lines) == 1 and f"{MAMBA}={int(expected)}" in lines[0], lines
@@ -498,7 +498,7 @@ def test_030_a_stuck_send_is_counted(library, monkeypatch):
 def test_030_a_slow_store_moves_no_pool_figure(library):
     """A store slower than the model on 0.30 (every save copy 1.5-6x save_kv_layer's scaled wait): 0.30
     holds each step until its copies returned, so no send holds a block, nothing is shed and nothing
-    fails -- every ``vllm:ascend_pool_*`` figure stays 0, registered all the same (README: why)."""
+    fails -- every ``vllm:ascend_pool_*`` figure stays 0, registered all the same (docs/metrics.md: why)."""
     library(True)
     pool = make_pool()
     inst = PoolInstance(pool, name="slow")

@@ -1,6 +1,7 @@
-"""The README's operator recipe against the real vLLM / vllm-ascend (issue 13, point 7): its
+"""The operator recipe against the real vLLM / vllm-ascend (issue 13, point 7): the README's
 ``vllm serve`` line parses with vLLM's own ``serve`` argument parser into vLLM's real
-``KVTransferConfig``, and what that config names exists in vllm-ascend."""
+``KVTransferConfig``, and what that config names exists in vllm-ascend; docs/install.md's check
+blocks keep check's exit code on the pair."""
 
 from __future__ import annotations
 
@@ -102,9 +103,9 @@ def test_readme_serve_line_parses_and_names_what_vllm_ascend_has():
     assert "ascend_layerwise_patch" in plugins and "ascend" in plugins and set(plugins) <= known, (plugins, known)
 
 
-@pytest.mark.control("the README's commands keep check's refusal without the NPU runtime, before any patch is tried")
+@pytest.mark.control("docs/install.md's commands keep check's refusal without the NPU runtime, before any patch is tried")
 def test_readme_check_blocks_keep_checks_exit_code_on_this_pair(tmp_path):
-    """Issue 36: step 3's blocks, run as they stand with this pair's console script (no torch_npu
+    """Issue 36: step 3's blocks (docs/install.md), run as they stand with this pair's console script (no torch_npu
     here, so `check` refuses with 3): each exits 3 too, and the JSON one-liner prints the refusal
     instead of a KeyError. The runner is tests/unit/test_readme_blocks.py's."""
     import importlib.util
@@ -113,7 +114,7 @@ def test_readme_check_blocks_keep_checks_exit_code_on_this_pair(tmp_path):
     runner = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(runner)
     assert runner.check_exit_code() == 3
-    step3 = [b for b in runner.blocks(runner.README) if b.kind == "run" and "exit=check" in b.args]
+    step3 = [b for b in runner.all_blocks() if b.kind == "run" and "exit=check" in b.args]
     assert len(step3) == 2
     for block in step3:
         assert runner.problems(block, tmp_path) == [], block.code

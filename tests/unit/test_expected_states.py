@@ -1,9 +1,9 @@
 """scripts/expected_states.txt: one row per patch (in SPECS order), one column per pair, and the
-README's table rendered from it."""
+table docs/patches.md renders from it (with the list of groups rendered from the index)."""
 
 from __future__ import annotations
 
-from support import ROOT, expected_states
+from support import ROOT, doc_text, expected_states
 
 from ascend_layerwise_patch.patches import SPECS
 
@@ -15,9 +15,10 @@ def test_every_patch_has_a_row_and_every_pair_a_column():
     assert pairs == list(es.pair_versions())
 
 
-def test_the_readme_holds_the_rendered_table():
+def test_the_docs_hold_the_rendered_table():
     es = expected_states()
-    assert es.readme_block() in (ROOT / "README.md").read_text(), "run: python scripts/expected_states.py --readme"
+    assert es.holder(es.BEGIN) == ROOT / "docs" / "patches.md"
+    assert es.readme_block() in doc_text(), "run: python scripts/expected_states.py --readme"
 
 
 def test_a_bad_row_is_refused(tmp_path):
@@ -41,7 +42,31 @@ def test_codes_from_check_reasons():
     assert code("failed", "target changed: x") == "failed: target changed: x"
 
 
-def test_the_readme_holds_the_group_list_rendered_from_the_index():
+def test_the_docs_hold_the_group_list_rendered_from_the_index():
     es = expected_states()
     assert [group for group, _package, _what in es.groups()] == list(dict.fromkeys(spec.group for spec in SPECS))
-    assert es.groups_block() in (ROOT / "README.md").read_text(), "run: python scripts/expected_states.py --readme"
+    assert es.holder(es.GROUPS_BEGIN) == ROOT / "docs" / "patches.md"
+    assert es.groups_block() in doc_text(), "run: python scripts/expected_states.py --readme"
+    assert "](../ascend_layerwise_patch/patches/connector_guards/__init__.py)" in es.groups_block()  # links from docs/
+
+
+def test_readme_rewrites_each_block_in_the_file_that_holds_it(tmp_path, monkeypatch):
+    """``--readme`` finds each block's markers in README.md or docs/*.md and rewrites it there, with
+    the group links relative to that file; markers in no file, or in two, are an error."""
+    es = expected_states()
+    (tmp_path / "docs").mkdir()
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "page.md"
+    readme.write_text(f"# r\n\n{es.GROUPS_BEGIN}\nold\n{es.GROUPS_END}\n")
+    page.write_text(f"# p\n\n{es.BEGIN}\nold\n{es.END}\n\nafter\n")
+    monkeypatch.setattr(es, "ROOT", tmp_path)
+    assert es.main(["--readme"]) == 0
+    assert page.read_text() == f"# p\n\n{es.readme_block()}\n\nafter\n"
+    assert readme.read_text() == f"# r\n\n{es.groups_block()}\n"
+    assert "](ascend_layerwise_patch/patches/connector_guards/__init__.py)" in readme.read_text()
+    page.write_text(f"{es.GROUPS_BEGIN}\n{es.GROUPS_END}\n")
+    try:
+        es.holder(es.GROUPS_BEGIN)
+    except ValueError as exc:
+        assert "want exactly one file" in str(exc)
+    else:
+        raise AssertionError("markers in two files were accepted")

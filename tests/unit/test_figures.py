@@ -1,6 +1,7 @@
-"""Issue 36: every figure the README gives about the matrix -- time per stage, disk per environment,
-patch counts -- sits in one block that scripts/figures.py writes from a matrix log; the block agrees
-with scripts/expected_states.txt and scripts/pairs.txt, and the prose quotes no other such figure."""
+"""Issue 36: every figure the README and docs/ give about the matrix -- time per stage, disk per
+environment, patch counts -- sits in one block (docs/measured.md) that scripts/figures.py writes from
+a matrix log; the block agrees with scripts/expected_states.txt and scripts/pairs.txt, and the prose
+quotes no other such figure."""
 
 from __future__ import annotations
 
@@ -9,24 +10,37 @@ import re
 
 import pytest
 
-from support import ROOT
+from support import ROOT, doc_files, doc_text
 
 spec = importlib.util.spec_from_file_location("figures", ROOT / "scripts" / "figures.py")
 figures = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(figures)
-README = (ROOT / "README.md").read_text()
+#: the pages whose prose is held to the block: the README and the docs/ pages that took its text;
+#: not h200_postprocess.md (one kernel's own measurements, GB/s among them) nor
+#: load-agreement-design.md (a design study, nothing about the matrix)
+OWN_FIGURES = {"docs/h200_postprocess.md", "docs/load-agreement-design.md"}
+TEXTS = {name: path.read_text() for path in doc_files() if (name := str(path.relative_to(ROOT))) not in OWN_FIGURES}
+#: where a duration is about running the tools (the commands, the test suites, the matrix figures):
+#: (page, from, to)
+RUNNING = (
+    ("README.md", "## From a fresh machine", "## Install"),
+    ("docs/testing.md", "# Tests", "The pool harness"),
+    ("docs/measured.md", "## Measured", "**Hot path**"),
+)
 
 
-def the_block(text: str = README) -> str:
+def the_block(text: str | None = None) -> str:
+    text = doc_text() if text is None else text
     assert text.count(figures.BEGIN) == 1 and text.count(figures.END) == 1
     return text[text.index(figures.BEGIN) : text.index(figures.END) + len(figures.END)]
 
 
-def prose(text: str = README) -> str:
-    """The README without the figures block and the two generated tables."""
+def prose(text: str) -> str:
+    """``text`` without the figures block and the two generated tables (those of them it holds)."""
     es = figures.expected_states
     for begin, end in ((figures.BEGIN, figures.END), (es.BEGIN, es.END), (es.GROUPS_BEGIN, es.GROUPS_END)):
-        text = text[: text.index(begin)] + text[text.index(end) + len(end) :]
+        if begin in text:
+            text = text[: text.index(begin)] + text[text.index(end) + len(end) :]
     return text
 
 
@@ -55,7 +69,7 @@ def test_the_block_has_every_pair_and_environment():
 
 
 def test_the_block_is_what_the_script_writes_from_a_log():
-    """Regenerating from a log whose figures are read back from the README's own block gives that block."""
+    """Regenerating from a log whose figures are read back from the docs' own block gives that block."""
     block = the_block()
     pairs = list(figures.expected_states.pair_versions())
     cell = lambda name: re.search(rf"^\| {re.escape(name)} \| (\d+)", block, re.M).group(1)  # noqa: E731
@@ -81,6 +95,26 @@ def test_the_block_is_what_the_script_writes_from_a_log():
     assert figures.block(figures.parse("\n".join(log))) == block
 
 
+def test_readme_flag_rewrites_the_block_where_it_is(tmp_path, monkeypatch):
+    """``--readme`` writes the block into the file that holds its markers (docs/measured.md)."""
+    es = figures.expected_states
+    assert es.holder(figures.BEGIN) == ROOT / "docs" / "measured.md"
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "measured.md"
+    page.write_text(f"before\n{figures.BEGIN}\nold\n{figures.END}\nafter\n")
+    (tmp_path / "README.md").write_text("# r\n")
+    log = tmp_path / "matrix.log"
+    log.write_text("\n".join([
+        "matrix: environments ready in 1 s", "matrix: 1 pairs in 9 s", "matrix: disk: base 2.4G",
+        "matrix: on disk: 2.4G in /x/.matrix (all venvs), 0 in .bench; 2 cores, 2026-12-07",
+    ]))
+    monkeypatch.setattr(es, "ROOT", tmp_path)
+    monkeypatch.setattr(figures, "block", lambda fig: f"{figures.BEGIN}\nnew {fig['date']}\n{figures.END}")
+    assert figures.main([str(log), "--readme"]) == 0
+    assert page.read_text() == f"before\n{figures.BEGIN}\nnew 2026-12-07\n{figures.END}\nafter\n"
+    assert (tmp_path / "README.md").read_text() == "# r\n"
+
+
 def test_a_failed_or_partial_log_gives_no_figures():
     with pytest.raises(ValueError, match="failed"):
         figures.parse("matrix: environments ready in 1 s\n=== unit: exit 1 in 8 s\n")
@@ -93,23 +127,28 @@ COUNT = re.compile(r"\b\d+\s+(patches|groups)\b|\b\d+ of \d+ patches")
 DURATION = re.compile(r"\b\d+(\.\d+)?\s?(s|min|minutes?)\b|\b(one|two|three|four|five|ten|twenty)\s+minutes?\b")
 
 
-def figures_in_prose(text: str) -> list[str]:
-    """Sizes and patch counts anywhere in the prose; durations where the README talks about running
-    the tools (quick start, the test suites, the matrix figures) -- elsewhere a figure like "10 s" is
-    vllm-ascend's own timeout or a benchmark's result, not how long a stage takes."""
-    body = prose(text)
+def figures_in_prose(texts: dict[str, str]) -> list[str]:
+    """Sizes and patch counts anywhere in the prose of ``texts`` (page: text); durations where a page
+    talks about running the tools (:data:`RUNNING`) -- elsewhere a figure like "10 s" is vllm-ascend's
+    own timeout or a benchmark's result, not how long a stage takes."""
+    bodies = {name: prose(text) for name, text in texts.items()}
+    body = "\n\n".join(bodies.values())
     found = [m.group(0) for m in SIZE.finditer(body)] + [m.group(0) for m in COUNT.finditer(body)]
-    for start, stop in (("## From a fresh machine", "## Installing"), ("## Tests", "The pool harness"), ("## Measured", "**Hot path**")):
-        found += [m.group(0) for m in DURATION.finditer(section(body, start, stop))]
+    for page, start, stop in RUNNING:
+        found += [m.group(0) for m in DURATION.finditer(section(bodies[page], start, stop))]
     return found
 
 
 def test_the_prose_quotes_no_other_size_count_or_stage_time():
-    assert figures_in_prose(README) == []
+    assert figures_in_prose(TEXTS) == []
 
 
 def test_the_prose_check_finds_a_stray_figure():
-    """The check above can fail: the README's old figures, put back, are found."""
-    stray = README.replace("(their size, and how long", "(6.2 GB; each pair 0.7-1 GB, about two minutes; their size, and how long")
-    stray = stray.replace("`sys.modules` for unknown copies of each original;", "`sys.modules` for unknown copies of each original, now 31 patches;")
+    """The check above can fail: the README's old figures, put back (in the README and in
+    docs/measured.md), are found."""
+    stray = dict(TEXTS)
+    stray["README.md"] = stray["README.md"].replace(
+        "(their size, and how long", "(6.2 GB; each pair 0.7-1 GB, about two minutes; their size, and how long")
+    stray["docs/measured.md"] = stray["docs/measured.md"].replace(
+        "`sys.modules` for unknown copies of each original;", "`sys.modules` for unknown copies of each original, now 31 patches;")
     assert figures_in_prose(stray) == ["6.2 GB", "1 GB", "31 patches", "two minutes"]

@@ -18,7 +18,7 @@ NEUTRAL = {"host", "pool_events", "kernels", "kernels.postprocess", "kernels.pos
 
 def _index() -> list[tuple[str, str, str]]:
     """(group, package, what it fixes) per line of the index (scripts/expected_states.py reads it
-    from the source for the README)."""
+    from the source for docs/patches.md)."""
     rows = expected_states().groups()
     assert rows and patches.__doc__.count("\n") > len(rows)  # the module's docstring, not an empty parse
     return rows

@@ -76,7 +76,7 @@ def add_pair(root: Path, name: str, vllm: str, ascend: str, like: str) -> None:
             line = f"{line}  {cells[column]:<8}"
         out.append(line.rstrip())
     table.write_text("\n".join(out) + "\n")
-    # the README: a row in the version table, the expected-states table rendered again
+    # the README: a row in the version table; docs/patches.md: the expected-states table rendered again
     readme = root / "README.md"
     lines = readme.read_text().splitlines(keepends=True)
     head = next(i for i, line in enumerate(lines) if line.startswith("| vLLM | vllm-ascend |"))
@@ -136,7 +136,7 @@ def test_adding_a_pair_touches_the_documented_files(tmp_path):
     assert behind(copy, *NEW[1:]) == []  # no group package has to change for a pair that behaves as v0300
     assert NEW[0] in (copy / "scripts" / "expected_states.txt").read_text()
     assert _admits(_load_ranges(copy)["SUPPORTED"][0], NEW[1]) and _admits(_load_ranges(copy)["V030"][1], NEW[2])
-    # and the copy's own checks of the pairs, the ranges, the extra, the table and the README pass
+    # and the copy's own checks of the pairs, the ranges, the extra, the table and the docs pass
     # (the README's offline-install check builds a wheel: nothing a pair changes, left out for time)
     suite = [f"tests/unit/test_{name}.py" for name in ("extras", "expected_states", "readme", "ranges", "index")]
     run = subprocess.run(
@@ -146,12 +146,13 @@ def test_adding_a_pair_touches_the_documented_files(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:]
 
 
-def test_the_list_is_the_five_files():
+def test_the_list_is_the_six_files():
     assert documented() == [
         "scripts/pairs.txt",
         "ascend_layerwise_patch/patches/_ranges.py",
         "scripts/expected_states.txt",
         "README.md",
+        "docs/patches.md",
         "setup.cfg",
     ]
 

@@ -1,4 +1,5 @@
-"""Issue 36: every shell block of the README is copy-pasteable as it stands, and tested here.
+"""Issue 36: every shell block of the README and of docs/*.md is copy-pasteable as it stands, and
+tested here.
 
 A block is a ```sh fence right after a marker comment:
 
@@ -18,7 +19,7 @@ A block is a ```sh fence right after a marker comment:
                                     with vLLM's parser on every pair)
 
 Every block passes `bash -n` first, and every ```sh block carries a marker. The last tests feed
-broken blocks -- the README's old ones among them -- to the same runner and see each fail.
+broken blocks -- old ones of the README's among them -- to the same runner and see each fail.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from typing import NamedTuple
 
 import pytest
 
-from support import ROOT
+from support import ROOT, doc_files
 
-README = (ROOT / "README.md").read_text()
+#: README.md and docs/*.md by path from the root, and their text
+TEXTS = {str(path.relative_to(ROOT)): path.read_text() for path in doc_files()}
 FENCE = re.compile(r"^([ \t]*)<!-- cpu-test: (run|dry)((?: [\w=-]+)*) -->\n\1```sh\n(.*?)\n\1```$", re.M | re.S)
 BIN = Path(sys.executable).parent
 
@@ -47,15 +49,21 @@ class Block(NamedTuple):
     args: tuple[str, ...]  # run: ("exit=check",) or (); dry: the stubbed commands
     code: str
     line: int
+    file: str = "README.md"
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, file: str = "README.md") -> list[Block]:
     out = []
     for m in FENCE.finditer(text):
         indent = m.group(1)
         code = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in m.group(4).splitlines())
-        out.append(Block(m.group(2), tuple(m.group(3).split()), code, text[: m.start()].count("\n") + 1))
+        out.append(Block(m.group(2), tuple(m.group(3).split()), code, text[: m.start()].count("\n") + 1, file))
     return out
+
+
+def all_blocks() -> list[Block]:
+    """Every marked block of README.md and docs/*.md, file by file."""
+    return [block for file, text in TEXTS.items() for block in blocks(text, file)]
 
 
 def supported(code: str) -> dict[str, list[str]]:
@@ -132,7 +140,7 @@ def execute(code: str, stubs: tuple[str, ...], cwd: Path) -> tuple[subprocess.Co
 
 
 def problems(block: Block, cwd: Path) -> list[str]:
-    """Everything wrong with one block (empty: it works as the README says)."""
+    """Everything wrong with one block (empty: it works as its page says)."""
     syntax = subprocess.run(["bash", "-n", "-c", block.code], capture_output=True, text=True)
     if syntax.returncode:
         return [f"bash -n: {syntax.stderr.strip()}"]
@@ -167,17 +175,19 @@ def problems(block: Block, cwd: Path) -> list[str]:
 
 
 def test_every_shell_block_is_marked():
-    fences = re.findall(r"^[ \t]*```sh$", README, re.M)
-    assert len(fences) == len(blocks(README)) >= 8, "a ```sh block without its <!-- cpu-test: ... --> marker"
+    for file, text in TEXTS.items():
+        fences = re.findall(r"^[ \t]*```sh$", text, re.M)
+        assert len(fences) == len(blocks(text, file)), f"{file}: a ```sh block without its <!-- cpu-test: ... --> marker"
+    assert len(all_blocks()) >= 8
 
 
-@pytest.mark.parametrize("block", blocks(README), ids=lambda b: f"line{b.line}-{b.kind}")
+@pytest.mark.parametrize("block", all_blocks(), ids=lambda b: f"{b.file}:line{b.line}-{b.kind}")
 def test_readme_block(block, tmp_path):
     assert problems(block, tmp_path) == []
 
 
 def test_the_offline_download_takes_each_supported_interpreter_and_platform():
-    (recipe,) = [b for b in blocks(README) if "pip download" in b.code]
+    (recipe,) = [b for b in all_blocks() if "pip download" in b.code]
     assert supported(recipe.code) == {"PY": ["3.10", "3.11", "3.12"], "PLATFORM": ["manylinux2014_aarch64", "manylinux2014_x86_64"]}
 
 
@@ -191,7 +201,7 @@ pip download -d wheels --only-binary=:all: --platform manylinux2014_aarch64 --py
 @pytest.mark.parametrize(
     "block, says",
     [
-        (Block("run", ("exit=check",), OLD_ONE_LINER, 0), "KeyError: 'patches'"),  # the README's old step 3
+        (Block("run", ("exit=check",), OLD_ONE_LINER, 0), "KeyError: 'patches'"),  # the README's old step 3 (docs/install.md's now)
         (Block("run", ("exit=check",), "set +o pipefail; " + OLD_ONE_LINER.replace("print({", 'print(d.get("error") or {'), 0), "exit 0, expected 2"),  # no pipefail: check's code lost
         (Block("run", (), "ascend-layerwise-patch chek", 0), "exit 2, expected 0"),
         (Block("dry", ("bash",), "bash scripts/chek.sh", 0), "no script of this repository"),

@@ -25,7 +25,7 @@ How      The other groups bump plain counters in ``ascend_layerwise_patch.pool_e
          send events, open events; reported when they change). ``build_kv_connector_stats``
          rebuilds the stats for vLLM's log line (counts summed over the interval, gauges as the
          interval's peak); ``build_prom_metrics`` registers ``vllm:ascend_pool_*`` counters and
-         gauges with vLLM's ``model_name`` / ``engine`` labels (the README lists them).
+         gauges with vLLM's ``model_name`` / ``engine`` labels (the README and docs/metrics.md list them).
          Two figures come from the workers themselves: the age of the oldest stuck send (a gauge:
          send_integrity registers the stuck item with ``pool_events.watch_age``; every drain reads
          its live start, so it falls to 0 the step after the copy returns; max over TP workers) and

@@ -13,7 +13,7 @@ Versions vLLM >=0.29,<0.31; vllm-ascend 0.30.x (``V029_030``): vLLM 0.29 hands t
          count (the mamba state bytes; pool_load_recovery is out of range on 0.29).
 Why      0.30.0rc2's stats carry only its own figures: the failures pool_load_recovery reports and
          recovers, the keys the agreement drops and the GDN bytes a hit loads stay off /metrics and the
-         "KV Transfer metrics" line. Its own four do not move on the layerwise path (the README says so).
+         "KV Transfer metrics" line. Its own four do not move on the layerwise path (docs/metrics.md says so).
 How      Extend, not replace. ``get_kv_connector_stats``: upstream's result first; then one
          ``pool_events.take()`` (two truth tests when nothing happened) and the scheduler's send gauges
          (``__init__._gauges``: nothing while no send event is open, which on 0.30's layerwise path is

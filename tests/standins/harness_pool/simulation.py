@@ -19,7 +19,7 @@ The oracle (:func:`run_episode`): each request's tokens equal those of a run wit
 instance of the same MTP setting and scheduling); no GDN / attention read was wrong; once idle, no
 block is held (every block of each instance's pool is free); no step hung (the harness's step
 watchdog); no engine stopped unless the pair stops by design on what the episode injected -- the
-generator injects on each pair only faults its README row says it survives (0.26.0rc1 stops on a
+generator injects on each pair only faults its row of docs/failures.md says it survives (0.26.0rc1 stops on a
 failed hybrid load by design: no load faults there).
 
 Assumes what the harness assumes (``harness_pool``): the stand-in model's tokens depend on every
@@ -38,7 +38,7 @@ from .engine import engine_loop
 from .instance import PoolInstance
 
 BLOCK = 16
-#: the fault kinds each pair's engine survives (README, "What still stops"): 0.26.0rc1 stops on a
+#: the fault kinds each pair's engine survives (docs/failures.md, "What still stops"): 0.26.0rc1 stops on a
 #: failed hybrid load by design, and 0.26 / 0.30 stop on a failed or raising save copy (their sending
 #: thread stops before any key is finished): save faults on 0.25.1rc1 only
 FAULT_KINDS = {
