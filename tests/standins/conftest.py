@@ -54,19 +54,3 @@ def _rank_processes_closed():
     rank_procs = sys.modules.get("rank_procs")
     if rank_procs is not None:
         rank_procs.close_all()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """MemCache 1.2.x only: a client whose init never returned, three tries in a row
-    (``memcache_host.AgentHung``), skips the test that needed it, saying so, instead of failing it.
-    The hang is the stand-in environment's (several MetaServices' clients on one host; not
-    understood, README "The store under the harness"), not what the test checks; with 1.3.0 it fails."""
-    outcome = yield
-    report = outcome.get_result()
-    host = sys.modules.get("memcache_host")
-    if host is None or call.excinfo is None or not call.excinfo.errisinstance(host.AgentHung):
-        return
-    if host.shows_writing():
-        report.outcome = "skipped"
-        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: MemCache {host.version()} client init hung 3 times: {call.excinfo.value}")

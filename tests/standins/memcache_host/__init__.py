@@ -50,6 +50,8 @@ CANN_LIBS = ("libascendcl.so", "libascend_hal.so", "libruntime.so", "libra.so", 
              "libdcmi.so", "libnnopbase.so", "libopapi.so", "libtsdclient.so")
 #: a driver version memfabric accepts (it needs at least V100R001C18B100)
 DRIVER_VERSION = "Version=25.2.0\nInnerversion=V100R001C23SPC005B219\n"
+#: seconds a client's init waits to join memfabric's group before it fails (``Cluster.START_TRIES``)
+JOIN_TIMEOUT_S = 5
 #: the MetaService answers on these offsets from its base port: meta, config store, metrics
 PORT_OFFSETS = {"meta": 0, "config_store": 1000, "metrics": 3000}
 
@@ -119,6 +121,7 @@ def client_env(base: dict | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "path_shim" not in p]
     libs = [os.path.join(paths["home"], "lib64"), *(p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p)]
+    env.setdefault("MF_GROUP_JOIN_MAX_TIMEOUT", str(JOIN_TIMEOUT_S))
     env.update(
         ASCEND_HOME_PATH=paths["home"],
         LD_LIBRARY_PATH=":".join(dict.fromkeys(libs)),
@@ -404,15 +407,16 @@ class Cluster:
     the writer dying with its share is :meth:`drop`)."""
 
     START_LIMIT_S = 30.0  # an agent's start: its client's init (1.2.0 imports torch: seconds on 2 busy cores)
-    #: MemCache 1.2.0's client init sometimes never returns while another MetaService's clients run on
-    #: the host (seen with pytest-xdist workers side by side, ~1 start in 10 then); a new client then
-    #: comes up. An agent that does not answer in time is killed and started again, up to this often.
+    #: A client's init joins memfabric's group (``smem_bm_join``). On 2 busy cores about one join in
+    #: five never completes: no member sees the newcomer's join event, and the join waits out its
+    #: timeout, 900 s by default (both versions; seen far more with 1.2.0's slower start). With
+    #: ``MF_GROUP_JOIN_MAX_TIMEOUT`` (:data:`JOIN_TIMEOUT_S`) the init gives up, cleans up and
+    #: returns -1, and a new agent then joins (every retry did in 15 starts, 5 lost joins, two busy
+    #: loops); an agent killed mid-join instead left its rank stuck for the next one.
     START_TRIES = 3
 
     def __init__(self, prestart: int = 0, **meta_options):
-        """``prestart``: agents started now, idle until a process takes one. With MemCache 1.2.0 a
-        client's ``init`` that comes while other clients are in use (read leases held) has been seen
-        never to return; clients started before any is used all came up."""
+        """``prestart``: agents started now, idle until a process takes one."""
         self.meta = MetaService(**meta_options)
         self.agents: dict[int, AgentHandle] = {}
         self.idle: list[AgentHandle] = []
@@ -435,7 +439,7 @@ class Cluster:
         for attempt in range(1, self.START_TRIES + 1):
             try:
                 return self._start_once(owner)
-            except AgentHung as exc:
+            except AgentError as exc:  # init returned non-zero (a lost join) or never returned
                 self.start_retries.append(str(exc))
                 if attempt == self.START_TRIES:
                     raise
