@@ -60,6 +60,7 @@ mtp_layer               mtp_layer            under MTP the draft layer's pool KV
 mtp_step_end            mtp_layer            under MTP a step whose drafter did not run broke the layer sending thread ('save failed')
 mtp_decode_saves        mtp_decode_saves     save_decode_cache under MTP pooled decode blocks' GDN states before the align postprocess wrote them
 pool_hit_written        pool_hit_written     MemCache 1.2.x: a key another engine was still writing counted as a pool hit; its load failed
+pool_save_failures      pool_save_failures   0.26 / 0.30: a failed save copy or a key MemCache did not finish (a full pool) stopped the engine
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from . import (
     pool_key_tp,
     pool_load_recovery,
     pool_metrics,
+    pool_save_failures,
     postprocess_kernel,
 )
 from .gdn_layerwise import mamba_precopy
@@ -112,4 +114,5 @@ SPECS = (
     *mtp_layer.STEP_END_SPECS,
     *mtp_decode_saves.SPECS,
     *pool_hit_written.SPECS,
+    *pool_save_failures.SPECS,
 )

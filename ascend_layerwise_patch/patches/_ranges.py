@@ -32,6 +32,9 @@ V025 = Ranges(">=0.25.0,<0.26", ">=0.25.1,<0.26")
 #: the base releases' vLLM with vllm-ascend 0.26.0rc1 only (0.25.1rc1 does not have the defect)
 ASCEND_026 = Ranges(V025_026.vllm, ">=0.26.0,<0.27")
 
+#: vllm-ascend 0.26.0rc1 and 0.30.0rc2, each on its own vLLM (0.25.1rc1 does not have the defect)
+ASCEND_026_030 = Ranges(SUPPORTED.vllm, ">=0.26.0,<0.31,!=0.27.*,!=0.28.*,!=0.29.*")
+
 #: vllm-ascend 0.30.0rc2 on vLLM 0.29 or 0.30
 V029_030 = Ranges(">=0.29,<0.31", ">=0.30,<0.31")
 

@@ -41,7 +41,7 @@ def test_ranges(vllm, ascend, admitted):
 # or a detector there; the release candidates in between are refused by every group, never installed
 from ascend_layerwise_patch.patches import SPECS as ALL_SPECS  # noqa: E402
 from ascend_layerwise_patch.patches import mamba_local_hit
-from ascend_layerwise_patch.patches import pool_hit_boundary, pool_key_tp, pool_load_recovery  # noqa: E402
+from ascend_layerwise_patch.patches import pool_hit_boundary, pool_key_tp, pool_load_recovery, pool_save_failures  # noqa: E402
 from ascend_layerwise_patch.patches.gdn_layerwise import mamba_precopy  # noqa: E402
 from ascend_layerwise_patch.patches.pool_metrics import v030 as pool_metrics_030  # noqa: E402
 
@@ -54,6 +54,7 @@ ON_030 = {
 ON_030 |= {"pool_layout_keys_030", "pool_gva_cache_030", "send_stuck_030", "async_free_fence_030"}  # 0.30 members of a 0.25 / 0.26 group (its fix, ported)
 ON_030 |= {"mamba_lifetime_030", "mamba_pool_resume_load_030", "mtp_layer_030", "gdn_tp_step_end_030"}  # vouched, as above
 ON_030 |= {"pool_hit_written", "pool_hit_written_exists"}  # MemCache 1.2.x hits on keys being written (every pair)
+ON_030 |= {s.name for s in pool_save_failures.SPECS}  # 0.26 and 0.30: a failed save stops the engine
 ON_030 |= {"mtp_decode_saves_030"}  # 0.30 member of a 0.25 / 0.26 group (its fix, ported)
 ON_030 |= {"mtp_step_end_030", "mtp_load_before_draft_030", "mtp_load_waited_030"}  # 0.30 members of a 0.25 / 0.26 group
 #: vLLM 0.30 only: vLLM 0.29's scheduler cannot take a hybrid load-failure report (one group unpacked)

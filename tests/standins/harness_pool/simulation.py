@@ -39,16 +39,18 @@ from .instance import PoolInstance
 
 BLOCK = 16
 #: the fault kinds each pair's engine survives (docs/failures.md, "What still stops"): 0.26.0rc1 stops on a
-#: failed hybrid load by design, and 0.26 / 0.30 stop on a failed or raising save copy (their sending
-#: thread stops before any key is finished): save faults on 0.25.1rc1 only
+#: failed hybrid load by design (no load faults there); a failed or raising save copy costs its keys on
+#: every pair (0.26 / 0.30: group pool_save_failures)
+SAVE_FAULTS = ("save_error", "save_raise")
 FAULT_KINDS = {
-    "v0251": ("load_error", "load_raise", "evict", "save_error", "save_raise"),
-    "v0300": ("load_error", "load_raise", "evict"),
+    "v0251": ("load_error", "load_raise", "evict", *SAVE_FAULTS),
+    "v0260": SAVE_FAULTS,
+    "v0300": ("load_error", "load_raise", "evict", *SAVE_FAULTS),
 }.get(PAIR, ())
 #: a failed load is recomputed under ``recompute`` (``fail``, vLLM's default, ends the request with an
 #: error: a divergence). vllm-ascend refuses ``recompute`` for hybrid models without the library
 #: (load_failures_policy): library-off runs set ``ALP_SIM_POLICY=fail``.
-POLICY = os.environ.get("ALP_SIM_POLICY") or ("recompute" if FAULT_KINDS else "fail")
+POLICY = os.environ.get("ALP_SIM_POLICY") or ("recompute" if set(FAULT_KINDS) - set(SAVE_FAULTS) else "fail")
 
 
 @dataclass(frozen=True)
