@@ -11,7 +11,7 @@ carried to the KV-transfer log line):
 - ``load_failed`` / ``load_raised`` / ``load_late``: layerwise load copies that returned an error,
   raised, or a layer wait that timed out (load_failures).
 - ``requests_rolled_back``: requests preempted to recompute after a failed load (load_failures_rollback).
-- ``pool_keys_failed``: pool keys finished as failed instead of published (send_integrity,
+- ``pool_keys_failed``: pool keys finished as failed instead of published (send_integrity, pool_save_failures,
   load_failures_saves).
 - ``stuck_sends``: layer sends found in flight past save_kv_layer's wait (send_integrity).
 - ``saves_shed``: request saves shed by the send backlog bound (send_shedding).

@@ -51,15 +51,18 @@ def parse(log: str) -> dict:
         return found[-1]
 
     suites = {name: int(secs) for name, rc, secs in re.findall(r"^=== (.+): exit (\d+) in (\d+) s$", log, re.M)}
-    failed = re.findall(r"^=== (.+): exit ([1-9]\d*) in", log, re.M)
+    failed = re.findall(r"^=== (.+): exit ([1-9]\d*) in", log, re.M) + re.findall(r"^(?:matrix: FAILED: |=== .*: FAILED: )(.*)$", log, re.M)
     if failed:
         raise ValueError(f"the log's run failed ({failed}): figures come from a passing run")
     disk, cores, date = one(r"^matrix: on disk: (\S+) in .*?; (\d+) cores, (\S+)$", "'matrix: on disk: ...'")
     bench = re.search(r"^matrix: on disk: .*?, (\S+) in \.bench", log, re.M)
     check = re.findall(r"^check\.sh: exit 0 in (\d+) s$", log, re.M)
+    total = int(one(r"^matrix: \d+ pairs in (\d+) s$", "'matrix: N pairs in N s'"))
+    if not re.search(r"^matrix: all suites passed$", log, re.M):
+        raise ValueError("the log has no 'matrix: all suites passed' line: figures come from a passing run")
     return {
         "envs": int(one(r"^matrix: environments ready in (\d+) s$", "'matrix: environments ready in N s'")),
-        "total": int(one(r"^matrix: \d+ pairs in (\d+) s$", "'matrix: N pairs in N s'")),
+        "total": total,
         "suites": suites,
         "disk": dict(re.findall(r"^matrix: disk: (\S+) (\S+)$", log, re.M)),
         "all": disk,

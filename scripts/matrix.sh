@@ -20,7 +20,7 @@ start=$(date +%s)
 bash scripts/env.sh "${pairs[@]}" ascendc || { echo "matrix: environment build failed" >&2; exit 1; }
 echo "matrix: environments ready in $(( $(date +%s) - start )) s"
 
-failed=()
+failed=(); failed_tests=()
 logs=$(mktemp -d); trap 'rm -rf "$logs"' EXIT
 . scripts/suite_run.sh  # run NAME SUITE PAIR PYTHON ARGS...
 
@@ -73,6 +73,7 @@ for env in "$root"/*/; do  # one line per environment (scripts/figures.py reads 
 done
 echo "matrix: on disk: $(du -sh "$root" 2>/dev/null | cut -f1) in $root (all venvs), ${bench:-0} in .bench; $(nproc) cores, $(date -u +%F)"
 if [ ${#failed[@]} -ne 0 ]; then
+  [ ${#failed_tests[@]} -ne 0 ] && printf 'matrix: failing test: %s\n' "${failed_tests[@]}"
   printf 'matrix: FAILED: %s\n' "${failed[@]}"
   exit 1
 fi

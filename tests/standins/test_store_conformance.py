@@ -131,6 +131,12 @@ def _scenario(run: _Run) -> list[tuple[str, object]]:
     out += [("lease of a ready key", ok(run.lease("C", "k1")))]
     run.pool.evict(lambda key: key == "k1")
     out += [("exists after remove under a lease", run.exists("A", "k1")), ("key info size", run.size("B", "k1"))]
+    # a key removed while it is being written (a full pool evicts such keys on 1.2.0): the writer's
+    # copy and finish fail, and the key is not there (what pool_save_failures acts on)
+    g = run.alloc("A", "k5")
+    run.pool.evict(lambda key: key == "k5")
+    out += [("copy into a key removed while written", ok(run.write("A", g, 51))), ("  its finish 0", ok(run.finish("A", "k5")))]
+    out += [("  exists after", run.exists("C", "k5"))]
     # never written
     out += [("exists of a missing key", run.exists("C", "nope")), ("finish of a key nobody allocated", ok(run.finish("C", "nope")))]
     return out

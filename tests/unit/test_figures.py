@@ -92,7 +92,13 @@ def test_the_block_is_what_the_script_writes_from_a_log():
     check_sh = re.search(r"^\| `scripts/check\.sh` on a clean clone .* \| (\d+) \|$", block, re.M)
     if check_sh:
         log.append(f"check.sh: exit 0 in {check_sh.group(1)} s")
+    log.append("matrix: all suites passed")
     assert figures.block(figures.parse("\n".join(log))) == block
+    for bad in ("matrix: FAILED: smoke: bench_hotpath (exit 1)", "=== v0251 interp: FAILED: ran 0 tests (23 skipped), at least 1 expected"):
+        with pytest.raises(ValueError, match="figures come from a passing run"):
+            figures.parse("\n".join([*log, bad]))
+    with pytest.raises(ValueError, match="no 'matrix: all suites passed' line"):
+        figures.parse("\n".join(log[:-1]))
 
 
 def test_readme_flag_rewrites_the_block_where_it_is(tmp_path, monkeypatch):
@@ -106,7 +112,7 @@ def test_readme_flag_rewrites_the_block_where_it_is(tmp_path, monkeypatch):
     log = tmp_path / "matrix.log"
     log.write_text("\n".join([
         "matrix: environments ready in 1 s", "matrix: 1 pairs in 9 s", "matrix: disk: base 2.4G",
-        "matrix: on disk: 2.4G in /x/.matrix (all venvs), 0 in .bench; 2 cores, 2026-12-07",
+        "matrix: on disk: 2.4G in /x/.matrix (all venvs), 0 in .bench; 2 cores, 2026-12-07", "matrix: all suites passed",
     ]))
     monkeypatch.setattr(es, "ROOT", tmp_path)
     monkeypatch.setattr(figures, "block", lambda fig: f"{figures.BEGIN}\nnew {fig['date']}\n{figures.END}")

@@ -51,7 +51,7 @@ def test_matrix_runs_fail_a_suite_that_ran_nothing(tmp_path):
     fake.write_text("#!/bin/sh\necho '.ss'\necho '23 skipped in 3.01s'\nexit 0\n")
     fake.chmod(0o755)
     script = (
-        f'logs={tmp_path}; failed=(); . scripts/suite_run.sh; '
+        f'logs={tmp_path}; failed=(); failed_tests=(); . scripts/suite_run.sh; '
         f'run "v0300 interp" interp v0300 {fake} tests/interp; run "v0251 interp" interp v0251 {fake} tests/interp; '
         'printf "FAILED: %s\\n" "${failed[@]}"'
     )
@@ -60,3 +60,25 @@ def test_matrix_runs_fail_a_suite_that_ran_nothing(tmp_path):
     assert "=== v0251 interp: FAILED: ran 0 tests (23 skipped), at least 1 expected: postprocess_kernel is applied on v0251 (scripts/expected_states.txt): its kernel must be tested" in lines, proc.stdout + proc.stderr
     assert [line for line in lines if line.startswith("FAILED: ")] == ["FAILED: v0251 interp (ran fewer tests than its floor)"]
     assert [line for line in lines if line.startswith("=== v0300 interp: exit 0 in ")], lines
+
+
+def test_matrix_runs_name_each_failing_test(tmp_path):
+    """A failing pytest run: ``run`` keeps each FAILED / ERROR line of pytest's short summary (node id
+    and reason), which matrix.sh prints last, above its FAILED suites."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\necho '.F.E'\necho 'FAILED tests/standins/test_x.py::test_a[tp2] - AssertionError: 3 tokens differ'\n"
+        "echo 'ERROR tests/standins/test_y.py::test_b - RuntimeError: agent gone'\necho '1 failed, 2 passed, 1 error in 3.01s'\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    script = (
+        f'logs={tmp_path}; failed=(); failed_tests=(); . scripts/suite_run.sh; '
+        f'run "v0251 standins" standins v0251 {fake} tests/standins; printf "T: %s\\n" "${{failed_tests[@]}}"'
+    )
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHON": "python3"})
+    assert [line for line in proc.stdout.splitlines() if line.startswith("T: ")] == [
+        "T: v0251 standins: FAILED tests/standins/test_x.py::test_a[tp2] - AssertionError: 3 tokens differ",
+        "T: v0251 standins: ERROR tests/standins/test_y.py::test_b - RuntimeError: agent gone",
+    ], proc.stdout + proc.stderr
+    matrix = (ROOT / "scripts" / "matrix.sh").read_text()
+    assert "printf 'matrix: failing test: %s\\n' \"${failed_tests[@]}\"" in matrix
