@@ -11,7 +11,7 @@ run() {  # run NAME SUITE PAIR PYTHON ARGS...: a pytest run that must pass and r
   [ $rc -eq 0 ] || failed+=("$name (exit $rc)")
   # each failing test by node id, with pytest's one-line reason (its short summary)
   local line
-  while IFS= read -r line; do failed_tests+=("$name: ${line:0:220}"); done < <(grep -E '^(FAILED|ERROR) ' "$log")
+  while IFS= read -r line; do failed_tests+=("$name: ${line:0:220}"); done < <(grep -E '^(FAILED|ERROR) [^ ]+\.py' "$log")
   # scripts/suite_floor.py: the least tests this suite must run on this pair (from scripts/expected_states.txt)
   local floor; floor=$("${PYTHON:-python3}" scripts/suite_floor.py "$suite" "$pair" "$log")
   local frc=$?

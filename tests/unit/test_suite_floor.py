@@ -64,10 +64,10 @@ def test_matrix_runs_fail_a_suite_that_ran_nothing(tmp_path):
 
 def test_matrix_runs_name_each_failing_test(tmp_path):
     """A failing pytest run: ``run`` keeps each FAILED / ERROR line of pytest's short summary (node id
-    and reason), which matrix.sh prints last, above its FAILED suites."""
+    and reason), which matrix.sh prints last, above its FAILED suites; vLLM's ERROR log lines are not tests."""
     fake = tmp_path / "python"
     fake.write_text(
-        "#!/bin/sh\necho '.F.E'\necho 'FAILED tests/standins/test_x.py::test_a[tp2] - AssertionError: 3 tokens differ'\n"
+        "#!/bin/sh\necho 'ERROR 12-07 12:56:05 [kv_transfer.py:678] [KVPOOL] batch_copy load(G2L) FAILED res=-3102'\necho '.F.E'\necho 'FAILED tests/standins/test_x.py::test_a[tp2] - AssertionError: 3 tokens differ'\n"
         "echo 'ERROR tests/standins/test_y.py::test_b - RuntimeError: agent gone'\necho '1 failed, 2 passed, 1 error in 3.01s'\nexit 1\n"
     )
     fake.chmod(0o755)

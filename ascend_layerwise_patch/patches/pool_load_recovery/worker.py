@@ -252,6 +252,11 @@ def make_recv_handle(original):
             return original(self, data)
         except RuntimeError as exc:
             tasks = getattr(data, "transfer_tasks", None)
+            if COPY_FAILED in str(exc) and tasks is not None and not tasks:
+                # a late copy: its wait gave up meanwhile and pool_load_wait_bound reported the step
+                # and emptied its task lists; that its copy failed too changes nothing
+                _late_copy_failed(self, data.layer_id, exc)
+                return None
             if COPY_FAILED not in str(exc) or not tasks or tasks[0].use_key_major_ranges:
                 raise
             if not self.__dict__.get(_RECOVERS, False):  # its worker keeps upstream's stop (or never said)
@@ -285,6 +290,23 @@ def make_batch_copy(original):
     return _batch_copy_with_limits
 
 
+def _layer_done(thread, layer_id: int) -> None:
+    """The layer's bookkeeping after its copy, as upstream does after one that succeeded."""
+    if not thread.layer_load_finished_events[layer_id].is_set():
+        thread.layer_load_finished_events[layer_id].set()
+    thread.request_queue.task_done()
+    thread.get_event.set()
+
+
+def _late_copy_failed(thread, layer_id: int, exc) -> None:
+    try:
+        logger().warning(
+            "ascend_layerwise_patch: the late KV pool load copy of layer %d returned after its step had given up "
+            "on it (%s); its requests were already reported, nothing more to do", layer_id, exc)
+    finally:
+        _layer_done(thread, layer_id)
+
+
 def _recover_copy(thread, data) -> None:
     layer_id = data.layer_id
     tasks = data.transfer_tasks
@@ -307,10 +329,7 @@ def _recover_copy(thread, data) -> None:
             layer_id,
             sorted(r.req_id for r in requests),
         )
-        if not thread.layer_load_finished_events[layer_id].is_set():
-            thread.layer_load_finished_events[layer_id].set()
-        thread.request_queue.task_done()
-        thread.get_event.set()
+        _layer_done(thread, layer_id)
 
 
 def _recv_ok(original) -> str | None:
