@@ -244,7 +244,10 @@ def make_recv_handle(original):
     succeeded (at the final layer the read leases are released and last chunks finished; the layer's
     event is set, ``task_done``), instead of the thread recording a fatal error and stopping (which
     ends the engine at the next layer wait). One batched copy carries every request of the layer:
-    all of them are reported. A copy that raises stays upstream's fatal error."""
+    all of them are reported. A late copy (its wait gave up and ``pool_load_wait_bound`` emptied the
+    step's task lists) that fails only gets that bookkeeping: its step was reported already (on
+    MemCache 1.2.0 it fails whenever the bound released its read lease first). A copy that raises
+    stays upstream's fatal error (``make_batch_copy`` turns it into a failed copy)."""
 
     @functools.wraps(original)
     def _handle_request(self, data):
