@@ -68,6 +68,7 @@ from ... import pool_events
 from ...host import logger
 from .._checks import expects
 from .._targets import STORE
+from .._targets import save_keys as _save_keys
 from .._checks import source as _source
 from ._group import GROUP  # same group as the lifetime patch: one send path, all or nothing
 
@@ -179,14 +180,6 @@ class _Ledger:
             thread.m_store.batch_write_finish(keys, [INCOMPLETE] * len(keys))
             _count("incomplete_keys_failed", len(keys))
 
-
-def _save_keys(tasks) -> list[str]:
-    keys: dict[str, None] = {}
-    for task in tasks:
-        shared = getattr(task, "shared_block_data", None)
-        if shared is not None and shared.save_keys:
-            keys.update(dict.fromkeys(shared.save_keys))
-    return list(keys)
 
 
 def _req_ids(tasks) -> list[str]:

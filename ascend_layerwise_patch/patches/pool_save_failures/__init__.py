@@ -40,6 +40,7 @@ from .._checks import param_names as _params
 from .._checks import source as _source
 from .._ranges import ASCEND_026_030
 from .._targets import STORE
+from .._targets import save_keys as _save_keys
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,6 @@ BACKEND = f"{STORE}.backend.memcache_backend:MemcacheBackend"
 RAISED = -1  #: the write result of keys whose copy raised (non-zero: finished as failed)
 _KEYS = "_ascend_layerwise_patch_save_keys"  # sending thread: the save keys of the item it handles
 
-
-def _save_keys(tasks) -> list[str]:
-    keys: dict[str, None] = {}
-    for task in tasks:
-        shared = getattr(task, "shared_block_data", None)
-        if shared is not None and shared.save_keys:
-            keys.update(dict.fromkeys(shared.save_keys))
-    return list(keys)
 
 
 def make_handle_request(original):
