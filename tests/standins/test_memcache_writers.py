@@ -59,6 +59,24 @@ _MARKS = (
 )
 
 
+def _a_writing(pool, a, step):
+    """A's prefill in its own thread (``step``), held at its final layer's copy: its keys allocated,
+    every other layer copied, none finished. (the gate fault, the thread, the keys being written)"""
+    final = len(a.layer_order) - 1  # the final layer's copy comes before every key's finish
+    held = pool.add_fault("gate", direction=L2G, times=1, at=layer_slot_fault(a, [final]))
+    a.add_request("a", PROMPTS["a"], max_tokens=MAX_TOKENS)
+    stepping = threading.Thread(target=step, name="A-step", daemon=True)
+    stepping.start()
+    for _ in range(2000):  # until A's final copy waits at the gate (bounded: 20 s)
+        if held.hits:
+            break
+        time.sleep(0.01)
+    assert held.hits == 1, "A's final-layer copy never came"
+    writing = [k for k, blob in pool.blobs.items() if blob.state == "writing"]
+    assert writing, "A's keys should be in flight"
+    return held, stepping, writing
+
+
 @pytest.mark.parametrize("store", [pytest.param("memcache", marks=_MARKS)])
 def test_two_writers_and_a_reader_in_between(monkeypatch, reference, store):
     # 0.25's save_kv_layer waits 10 s for the held copy: 0.1 s (MemCache's own allocation lease is
@@ -72,20 +90,8 @@ def test_two_writers_and_a_reader_in_between(monkeypatch, reference, store):
     d = PoolInstance(pool, name="D")
     stepping = None
     try:
-        final = len(a.layer_order) - 1  # the final layer's copy comes before every key's finish
-        held = pool.add_fault("gate", direction=L2G, times=1, at=layer_slot_fault(a, [final]))
-        a.add_request("a", PROMPTS["a"], max_tokens=MAX_TOKENS)
-        # A's prefill, in its own thread: its keys allocated, every layer but the last copied, none
-        # finished (0.25's step returns meanwhile; 0.26 / 0.30 wait in the step for the copy)
-        stepping = threading.Thread(target=a.step, name="A-step", daemon=True)
-        stepping.start()
-        for _ in range(2000):  # until A's final copy waits at the gate (bounded: 20 s)
-            if held.hits:
-                break
-            time.sleep(0.01)
-        assert held.hits == 1, "A's final-layer copy never came"
-        writing = [k for k, blob in pool.blobs.items() if blob.state == "writing"]
-        assert writing, "A's keys should be in flight"
+        # (0.25's step returns meanwhile; 0.26 / 0.30 wait in the step for the copy)
+        held, stepping, writing = _a_writing(pool, a, a.step)
         seen = pool.batch_is_exist(writing)
         c.add_request("c", PROMPTS["c"], max_tokens=MAX_TOKENS)
         so_c = c.step()  # C's lookup while A writes
@@ -137,9 +143,6 @@ def test_a_writer_that_dies_mid_write_costs_the_others_nothing(monkeypatch, refe
     c, d = PoolInstance(pool, name="C"), PoolInstance(pool, name="D")
     stepping = None
     try:
-        final = len(a.layer_order) - 1
-        held = pool.add_fault("gate", direction=L2G, times=1, at=layer_slot_fault(a, [final]))
-        a.add_request("a", PROMPTS["a"], max_tokens=MAX_TOKENS)
         died = []
 
         def step_a():
@@ -148,15 +151,7 @@ def test_a_writer_that_dies_mid_write_costs_the_others_nothing(monkeypatch, refe
             except Exception as exc:  # noqa: BLE001 -- A's rank process is killed under it
                 died.append(exc)
 
-        stepping = threading.Thread(target=step_a, name="A-step", daemon=True)
-        stepping.start()
-        for _ in range(2000):  # until A's final copy waits at the gate (bounded: 20 s)
-            if held.hits:
-                break
-            time.sleep(0.01)
-        assert held.hits == 1, "A's final-layer copy never came"
-        writing = [k for k, blob in pool.blobs.items() if blob.state == "writing"]
-        assert writing, "A's keys should be in flight"
+        held, stepping, writing = _a_writing(pool, a, step_a)
         rank = a.procs.procs[0]
         agent = cluster.agents[rank.pid]
         rank.kill()
