@@ -29,11 +29,12 @@ Removal  When the sending thread keeps a failed copy's result instead of raising
 from __future__ import annotations
 
 import functools
-import logging
 import re
 import threading
+import time
 
 from ... import pool_events
+from ...host import logger
 from .._checks import Group
 from .._checks import expects as _expects
 from .._checks import param_names as _params
@@ -42,13 +43,28 @@ from .._ranges import ASCEND_026_030
 from .._targets import STORE
 from .._targets import save_keys as _save_keys
 
-logger = logging.getLogger(__name__)
-
 THREAD = f"{STORE}.pool_worker:KVCacheStoreLayerSendingThread"
 BACKEND = f"{STORE}.backend.memcache_backend:MemcacheBackend"
 RAISED = -1  #: the write result of keys whose copy raised (non-zero: finished as failed)
 _KEYS = "_ascend_layerwise_patch_save_keys"  # sending thread: the save keys of the item it handles
+WARN_EVERY_S = 60.0  #: a full pool fails many copies: one WARNING per this many seconds, the rest DEBUG
+_warned = {"at": None, "quiet": 0}
+_warned_lock = threading.Lock()
 
+
+def _warn(msg: str, *args) -> None:
+    """A WARNING, at most one per ``WARN_EVERY_S`` (saying how many were held back); DEBUG between."""
+    now = time.monotonic()
+    with _warned_lock:
+        if _warned["at"] is not None and now - _warned["at"] < WARN_EVERY_S:
+            _warned["quiet"] += 1
+            quiet = -1
+        else:
+            quiet, _warned["at"], _warned["quiet"] = _warned["quiet"], now, 0
+    if quiet < 0:
+        logger().debug(msg, *args)
+    else:
+        logger().warning(msg + (" (%d more such since the last warning)" if quiet else ""), *args, *((quiet,) if quiet else ()))
 
 
 def make_handle_request(original):
@@ -83,11 +99,11 @@ def make_batch_copy(original):
             res = original(self, gvas, addrs, sizes, direction, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 -- any raise of the store's copy: its keys fail, the thread goes on
             n = _fail_keys(self, RAISED)
-            logger.warning("ascend_layerwise_patch: layerwise save copy raised %r: %d pool key(s) finished as failed, serving goes on", exc, n)
+            _warn("ascend_layerwise_patch: layerwise save copy raised %r: %d pool key(s) finished as failed, serving goes on", exc, n)
             return 0
         if res != 0:
             n = _fail_keys(self, res)
-            logger.warning("ascend_layerwise_patch: layerwise save copy failed (%d): %d pool key(s) finished as failed, serving goes on", res, n)
+            _warn("ascend_layerwise_patch: layerwise save copy failed (%d): %d pool key(s) finished as failed, serving goes on", res, n)
             return 0
         return res
 
@@ -107,7 +123,7 @@ def make_write_finish(original):
         lost = sum(1 for a, r in zip(answers, results) if a != 0 and r == 0)
         if lost:
             pool_events.bump("pool_keys_failed", lost)
-        logger.warning(
+        _warn(
             "ascend_layerwise_patch: MemCache did not finish %d of %d pool key(s) (%s): they are not ready, serving goes on",
             sum(1 for a in answers if a != 0), len(keys), ", ".join(gone),
         )
