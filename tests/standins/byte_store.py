@@ -36,8 +36,8 @@ request owns each block a save copy reads).
 Held to MemCache's behaviour by ``test_store_conformance`` (the same operations on both, results
 compared where the library can tell). Not modelled: MemCache refuses a read copy without a read
 lease (-3102; vllm-ascend always takes one first), MemCache refusing (0) the same client's
-allocation of a key for ~2 s after that client finished it with a failure, a writer's allocation
-lease expiring (~10 s after ``batch_alloc`` when no lease is given: its copy then fails -3102), read
+allocation of a key for ~2 s after that client finished it with a failure, allocation leases
+expiring on their own (a test expires them with :meth:`PoolService.outlive_allocations`), read
 leases expiring, capacity and eviction (a test evicts with :meth:`PoolService.evict`), a writer's
 process exiting with its share, MemCache's get-while-writing defect (``memcache_pool`` runs them for
 real).
@@ -65,6 +65,7 @@ GATE_LIMIT_S = 30.0  # a gated copy never waits longer than this (no hung tests)
 MMC_NOT_FOUND = -3101  # a read lease of a key that is not ready
 MMC_LEASE_GONE = -3102  # finishing a key another writer's failed finish removed
 MMC_UNKNOWN_KEY = -3000  # finishing a key nobody allocated
+MMC_LEASE_EXPIRED = -3106  # a copy into an allocation past its lease (MemCache's code for it)
 L2G, G2L = 0, 1  # batch_copy directions: save (write the pool), load (read the pool)
 
 
@@ -78,6 +79,7 @@ class Blob:
     finished_at: float | None = None
     result: int | None = None
     leases: int = 0
+    expired: bool = False  # its allocation lease ran out while it was written (outlive_allocations)
 
     @property
     def size(self) -> int:
@@ -229,6 +231,9 @@ class PoolService:
                 if blob.state == "failed":  # another writer's failed finish removed it
                     out.append(MMC_LEASE_GONE)
                     continue
+                if blob.expired and self.shows_writing:  # 1.2.x: refused; the key stays shown, unreadable
+                    out.append(MMC_UNKNOWN_KEY)
+                    continue
                 blob.result, blob.finished_at = int(res), now
                 blob.state = "ready" if res == 0 else "failed"
                 out.append(0)
@@ -338,12 +343,27 @@ class PoolService:
     def _move(self, direction, targets, host, call) -> int:
         """The copy itself, once faults and bounds let it run (the host memory is read now)."""
         with self.lock:
+            if direction == L2G and any(blob.expired and blob.state == "writing" for blob, *_ in targets):
+                return MMC_LEASE_EXPIRED  # MemCache refuses the whole copy; its finish 0 still publishes the key
             if direction == L2G:  # a copy into a key already ready succeeds and changes nothing (MemCache)
                 for (blob, off, _addr, size), data in zip(targets, host.read([(addr, size) for _b, _o, addr, size in targets])):
                     if blob.state != "ready":
                         blob.data[off : off + size] = np.frombuffer(data, dtype=np.uint8)
             else:
                 host.write([(addr, blob.data[off : off + size].tobytes()) for blob, off, addr, size in targets])
+        return 0
+
+    def outlive_allocations(self) -> int:
+        """Every allocation being written is now past its allocation lease (MemCache's
+        ``lease_ttl_ms``; ``memcache_pool`` waits for the real store's): a copy into it fails
+        (``MMC_LEASE_EXPIRED``); its finish then does what MemCache does right after the expiry:
+        1.3.0 publishes the key with what was copied before (finish 0 returns 0), 1.2.x refuses the
+        finish and keeps showing the key as being written (``shows_writing``: it exists, its read
+        lease fails). Returns 0 (the real store's probe counts its copies)."""
+        with self.lock:
+            for blob in self.blobs.values():
+                if blob.state == "writing":
+                    blob.expired = True
         return 0
 
     def _log(self, direction, keys, res) -> None:

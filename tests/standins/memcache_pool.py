@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 import memcache_host
-from byte_store import KeyInfo, PoolService
+from byte_store import L2G, KeyInfo, PoolService
 
 _POOL_IDS = itertools.count(1)
 
@@ -75,6 +75,7 @@ class MemcachePool(PoolService):
         self._starts: list[int] = []  # sorted GVAs of known keys
         self._at: dict[int, RealBlob] = {}
         self.results: dict[str, list] = {}  # what MemCache answered, per call name (the last call)
+        self._probe = None  # outlive_allocations' buffer
 
     # ------------------------------------------------------------------ plumbing
     def _agent(self, host) -> memcache_host.AgentHandle:
@@ -209,3 +210,28 @@ class MemcachePool(PoolService):
     def clear(self) -> None:
         self.evict(lambda key: True)
 
+    def outlive_allocations(self, limit_s: float = 60.0) -> int:
+        """Return once every allocation made before the call is past MemCache's allocation lease
+        (``memcache_host.MetaService``'s ``lease_ttl_ms``): a probe key allocated now by this
+        process's client is copied into until MemCache refuses a copy (copies do not renew a lease;
+        one allocated earlier expired first). A probe refused at its first copy proves nothing (1.2.0
+        sometimes hands out space it is still reclaiming): a new probe is taken. The store decides,
+        not a timer; ``limit_s`` only bounds a store that never refuses. Returns the copies made."""
+        if self._probe is None:
+            self._probe = memcache_host.device_buffer(1 << 12)
+            self.register_region(self._probe.data_ptr(), self._probe.numel())
+        agent = self.cluster.agent(os.getpid())
+        copy = lambda gva: agent.call("batch_copy", [gva], [self._probe.data_ptr()], [self._probe.numel()], L2G)  # noqa: E731
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            key = [f"{self.prefix}~lease-probe-{next(_POOL_IDS)}"]
+            gva = agent.call("batch_alloc", key, [self._probe.numel()])[0]
+            assert gva > 0, f"MemCache refused the probe's allocation ({gva})"
+            copies = 0
+            while copy(gva) == 0 and time.monotonic() < deadline:
+                copies += 1
+                time.sleep(0.05)
+            agent.call("batch_write_finish", key, [-1])
+            if copies:
+                return copies
+        raise AssertionError(f"MemCache still accepted copies into an allocation after {limit_s:.0f} s (its lease?)")

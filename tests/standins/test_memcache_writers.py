@@ -33,6 +33,7 @@ if PAIR not in PAIRS or memcache_host.version() is None:
 import memcache_pool  # noqa: E402
 from byte_store import G2L, L2G  # noqa: E402
 from harness_pool import PoolInstance, differing_tokens, engine_loop, layer_slot_fault, make_pool, reference_outputs, timing  # noqa: E402
+from harness_pool.lifetime import ready_with_a_gap  # noqa: E402
 
 pytestmark = pytest.mark.pairs(*PAIRS)
 
@@ -178,4 +179,86 @@ def test_a_writer_that_dies_mid_write_costs_the_others_nothing(monkeypatch, refe
         a.close()
         if stepping is not None:
             stepping.join(timing.STEP_LIMIT_S)
+        cluster.close()
+
+
+#: MemCache's allocation lease in the lease test (``ock.mmc.meta.lease_ttl_ms``; its default is
+#: ~10 s): short, so the test waits little; A's copies before the held one land well inside it
+LEASE_MS = 2000
+
+
+def _own_lease_ms() -> int | None:
+    """The allocation lease vllm-ascend asks for its layerwise saves (0.30.0rc2: 5 min), or None
+    where its MemCache backend's ``batch_alloc`` takes no lease and MemCache's configured lease
+    applies (0.25.1rc1, 0.26.0rc1)."""
+    import inspect
+
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_worker
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.memcache_backend import MemcacheBackend
+
+    if "lease_ttl_ms" not in inspect.signature(MemcacheBackend.batch_alloc).parameters:
+        return None
+    return pool_worker.LAYERWISE_READ_LEASE_TTL_MS
+
+
+OWN_LEASE_MS = _own_lease_ms()
+
+
+@pytest.mark.parametrize("lease", [pytest.param(
+    "configured",
+    marks=[pytest.mark.control(f"vllm-ascend allocates with its own {OWN_LEASE_MS} ms lease: the stall is inside it")] if OWN_LEASE_MS else [],
+)])
+def test_a_writer_past_its_allocation_lease_publishes_no_key_with_a_gap(monkeypatch, reference, lease):
+    """A's save of the prefix stalls past MemCache's allocation lease: held before its final layer's
+    copy until the store refuses a copy into a probe allocated after A's keys. MemCache then refuses
+    A's final copies (-3106), and a finish with 0 would still publish A's keys with that layer never
+    written (measured on 1.2.0 and 1.3.0: finish 0, exists 1). A must sample what a run without the
+    pool samples, no key may be ready with a layer never written, and C, then D, serving the prefix
+    must read every state right. Without the library 0.26 stops on the refused copy (its sending
+    thread raises). 0.30.0rc2 allocates with its own 5-minute lease: there the held copy lands, A's
+    keys are whole and C hits them (a control)."""
+    monkeypatch.setattr(timing, "TIME_SCALE", 0.01)
+    cluster = memcache_host.Cluster(lease_ttl_ms=LEASE_MS)  # its own: the short lease is for this test only
+    pool = memcache_pool.MemcachePool(cluster)
+    a = PoolInstance(pool, name="A")
+    a.scale_save_wait()
+    c, d = PoolInstance(pool, name="C"), PoolInstance(pool, name="D")
+    stepping = None
+    try:
+        held, stepping, writing = _a_writing(pool, a, a.step)
+        probes = pool.outlive_allocations()  # allocations under the configured lease have now expired
+        held.gate.set()
+        stepping.join(timing.STEP_LIMIT_S)
+        assert not stepping.is_alive(), "A's step never ended after its held copy (the sending thread stopped?)"
+        engine_loop(a)
+        refused = [keys for direction, keys, res in pool.copy_log if direction == L2G and res != 0]
+        gaps = ready_with_a_gap(pool, a)
+        ready = pool.ready_keys()
+        c.add_request("c", PROMPTS["c"], max_tokens=MAX_TOKENS)
+        c_hit = c.step().scheduled_new_reqs[0].num_computed_tokens
+        engine_loop(c)
+        d.add_request("d", PROMPTS["d"], max_tokens=MAX_TOKENS)
+        engine_loop(d)
+        outputs = {**a.outputs, **c.outputs, **d.outputs}
+        print(f"\nMemCache {memcache_host.version()}, allocation lease {LEASE_MS} ms configured, "
+              f"{OWN_LEASE_MS or 'none'} asked (the probe copied {probes} times before it was refused): "
+              f"{len(refused)} of A's copies refused; {len(ready)} of A's {len(writing)} keys ready, "
+              f"{len(gaps)} with a gap; C took {c_hit} tokens from the pool")
+        if OWN_LEASE_MS:
+            assert refused == [] and len(ready) == len(writing) and c_hit == len(PREFIX)
+        else:
+            assert refused, "MemCache should refuse a copy past the allocation lease"
+        assert gaps == [], gaps
+        assert differing_tokens(outputs, {r: reference[r] for r in ("a", "c", "d")}) == 0, (outputs, reference)
+        for inst, req in ((a, "a"), (c, "c"), (d, "d")):
+            assert inst.wrong_reads(req) == [] and inst.wrong_reads(req, kind="attn") == [], inst.name
+        assert pool.violations == []
+    finally:
+        pool.clear_faults()
+        if stepping is not None and stepping.is_alive():  # 0.26 without the library: see above
+            for event in a.ranks[0].connector.connector_worker.layer_save_finished_events:
+                event.set()
+            stepping.join(timing.STEP_LIMIT_S)
+        for inst in (a, c, d):
+            inst.close()
         cluster.close()

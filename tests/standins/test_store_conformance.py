@@ -142,6 +142,31 @@ def _scenario(run: _Run) -> list[tuple[str, object]]:
     return out
 
 
+#: the allocation lease of the lease scenario's own MetaService (MemCache's default is ~10 s)
+LEASE_MS = 1000
+
+
+def _past_the_lease(run: _Run) -> list[tuple[str, object]]:
+    """Writers that outlive their allocation lease (``outlive_allocations``: the real store's own
+    expiry, the byte store's model of it); one finishes 0, the other -1."""
+    ok = lambda v: v == 0  # noqa: E731
+    g, h = run.alloc("A", "x"), run.alloc("B", "y")
+    out = [("copy inside the allocation lease", ok(run.write("A", g, 51)) and ok(run.write("B", h, 61)))]
+    run.pool.outlive_allocations()
+    out += [("copy past the allocation lease", ok(run.write("A", g, 52)))]
+    out += [(f"{PAST} its finish 0", ok(run.finish("A", "x"))), (f"{PAST} exists after", run.exists("C", "x"))]
+    out += [(f"{PAST} read after", run.read("C", "x"))]
+    out += [(f"{PAST} finish -1", ok(run.finish("B", "y", -1))), (f"{PAST} exists after -1", run.exists("C", "y"))]
+    return out
+
+
+#: rows of the lease scenario whose MemCache 1.3.0 result changes once its MetaService reclaims the
+#: expired allocation (about a second after the expiry); the results after that are accepted too
+PAST = "past the lease:"
+RECLAIMED = {f"{PAST} its finish 0": False, f"{PAST} exists after": 0, f"{PAST} read after": ("no key", None),
+             f"{PAST} finish -1": False, f"{PAST} exists after -1": 0}
+
+
 def _shows_writing(run: _Run) -> tuple[int, bool]:
     """(exists, key info size > 0) of a key another client is writing."""
     run.alloc("A", "w1")
@@ -162,8 +187,13 @@ def results():
     got["memcache shows writing"] = _shows_writing(_Run(real, buffer, (-101, -102, -103)))
     for pid in (-101, -102, -103):
         cluster.release(pid)
+    short = memcache_host.Cluster(lease_ttl_ms=LEASE_MS)  # its own MetaService: a short allocation lease
+    try:
+        got["memcache"] += _past_the_lease(_Run(MemcachePool(short), buffer, (-121, -122, -123)))
+    finally:
+        short.close()
     byte = PoolService()
-    got["bytes"] = _scenario(_Run(byte, buffer, (1, 2, 3)))
+    got["bytes"] = _scenario(_Run(byte, buffer, (1, 2, 3))) + _past_the_lease(_Run(PoolService(), buffer, (1, 2, 3)))
     got["bytes shows writing"] = _shows_writing(_Run(byte, buffer, (1, 2, 3)))
     print(f"\nMemCache {memcache_host.version()} vs byte store:")
     for (what, mc), (_w, bs) in zip(got["memcache"], got["bytes"]):
@@ -174,7 +204,11 @@ def results():
 
 def test_the_byte_store_answers_as_memcache_does(results):
     assert [w for w, _ in results["memcache"]] == [w for w, _ in results["bytes"]]
-    differ = [(w, mc, bs) for (w, mc), (_w, bs) in zip(results["memcache"], results["bytes"]) if mc != bs]
+    differ = [
+        (w, mc, bs)
+        for (w, mc), (_w, bs) in zip(results["memcache"], results["bytes"])
+        if mc != bs and not (w in RECLAIMED and mc == RECLAIMED[w] and not memcache_host.shows_writing())
+    ]
     assert differ == [], differ
 
 

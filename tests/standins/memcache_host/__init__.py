@@ -177,7 +177,9 @@ class MetaService:
 
     START_LIMIT_S = 30.0
 
-    def __init__(self, dram: str = "64MB", world_size: int = 64, log_level: str = "error", evict_high: int | None = None, evict_low: int | None = None):
+    def __init__(self, dram: str = "64MB", world_size: int = 64, log_level: str = "error", evict_high: int | None = None, evict_low: int | None = None, lease_ttl_ms: int | None = None):
+        """``lease_ttl_ms``: the lease MemCache gives an allocation or a read lease asked for with
+        ttl 0 (vllm-ascend's backend asks so); MemCache's default is about 10 s."""
         self.dir = Path(tempfile.mkdtemp(prefix="meta-", dir=_ensure(work_dir() / "run")))
         self.port = _free_base_port()
         url = lambda kind, scheme="tcp": f"{scheme}://127.0.0.1:{self.port + PORT_OFFSETS[kind]}"  # noqa: E731
@@ -194,6 +196,8 @@ class MetaService:
             meta_conf.append(f"ock.mmc.evict_threshold_high = {evict_high}")
         if evict_low is not None:
             meta_conf.append(f"ock.mmc.evict_threshold_low = {evict_low}")
+        if lease_ttl_ms is not None:
+            meta_conf.append(f"ock.mmc.meta.lease_ttl_ms = {lease_ttl_ms}")
         (self.dir / "meta.conf").write_text("\n".join(meta_conf) + "\n")
         self.local_config = self.dir / "local.conf"
         self.local_config.write_text(
