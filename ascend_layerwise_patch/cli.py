@@ -255,6 +255,7 @@ switches (environment variables, read by every process vLLM starts and by check)
   ASCEND_LAYERWISE_PATCH_GVA_CACHE_MAX=N        pool_key_layout: keys remembered as saved
   ASCEND_LAYERWISE_PATCH_LOAD_AGREE_S=S         load_failures_agreement: bound of the TP ranks' wait
   ASCEND_LAYERWISE_PATCH_LATE_COPY_S=S          the late-copy fence: how long it waits
+  ASCEND_LAYERWISE_PATCH_ALLOC_LEASE_S=S        pool_alloc_lease: a save's longest MemCache lease
 See the README's "Switches" table.
 """
 

@@ -61,6 +61,7 @@ mtp_step_end            mtp_layer            under MTP a step whose drafter did 
 mtp_decode_saves        mtp_decode_saves     save_decode_cache under MTP pooled decode blocks' GDN states before the align postprocess wrote them
 pool_hit_written        pool_hit_written     MemCache 1.2.x: a key another engine was still writing counted as a pool hit; its load failed
 pool_save_failures      pool_save_failures   0.26 / 0.30: a failed save copy or a key MemCache did not finish (a full pool) stopped the engine
+pool_alloc_lease        pool_alloc_lease     0.30: a save's 5-minute allocation lease let a writer host's death stall MemCache 1.2.0, every engine with it
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ from . import (
     mamba_pool_hit,
     mtp_decode_saves,
     mtp_layer,
+    pool_alloc_lease,
     pool_hit_boundary,
     pool_hit_written,
     pool_key_layout,
@@ -115,4 +117,5 @@ SPECS = (
     *mtp_decode_saves.SPECS,
     *pool_hit_written.SPECS,
     *pool_save_failures.SPECS,
+    *pool_alloc_lease.SPECS,
 )

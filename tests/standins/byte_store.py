@@ -88,7 +88,8 @@ class Blob:
 
 @dataclass
 class Fault:
-    """A copy touching a key for which ``match(key)`` holds gets ``kind``: error | raise | gate."""
+    """A copy touching a key for which ``match(key)`` holds gets ``kind``: error | raise | gate |
+    delay | expire (every allocation being written outlives its lease first: the copy then fails)."""
 
     kind: str
     direction: int | None = None  # L2G, G2L or None (both)
@@ -164,7 +165,7 @@ class PoolService:
             self.regions.append((int(ptr), int(size)))
 
     def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None, delay=None, at=None) -> Fault:
-        assert kind in ("error", "raise", "gate", "delay") and (kind == "delay") == (delay is not None), kind
+        assert kind in ("error", "raise", "gate", "delay", "expire") and (kind == "delay") == (delay is not None), kind
         fault = Fault(kind, direction, match or (lambda key: True), times, delay=delay, at=at)
         with self.lock:
             self.faults.append(fault)
@@ -296,7 +297,9 @@ class PoolService:
             for f in faults:
                 f.hits += 1
         for f in faults:
-            if f.kind == "gate":
+            if f.kind == "expire":  # the store stalled past the allocation lease just before this copy
+                self.outlive_allocations()
+            elif f.kind == "gate":
                 f.gate.wait(GATE_LIMIT_S)
             elif f.kind == "delay":  # a slow store: the copy succeeds after delay() s (or once the gate opens)
                 f.gate.wait(min(f.delay(), GATE_LIMIT_S))

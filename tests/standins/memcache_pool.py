@@ -76,6 +76,7 @@ class MemcachePool(PoolService):
         self._at: dict[int, RealBlob] = {}
         self.results: dict[str, list] = {}  # what MemCache answered, per call name (the last call)
         self._probe = None  # outlive_allocations' buffer
+        self.alloc_leases: list[int] = []  # the lease (ms) each batch_alloc asked; 0: MemCache's configured one
 
     # ------------------------------------------------------------------ plumbing
     def _agent(self, host) -> memcache_host.AgentHandle:
@@ -113,6 +114,7 @@ class MemcachePool(PoolService):
     # ------------------------------------------------------------------ MemCache API
     def batch_alloc(self, keys, sizes, *more, host=None) -> list[int]:
         gvas = self._agent(host).call("batch_alloc", self._ns(keys), list(sizes), *more)
+        self.alloc_leases.append(int(more[1]) if len(more) > 1 else 0)  # (media, lease ms): 0.30 asks one
         with self.lock:
             for key, size, gva in zip(keys, sizes, gvas):
                 if gva <= 0:

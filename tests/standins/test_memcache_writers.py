@@ -129,14 +129,15 @@ def test_two_writers_and_a_reader_in_between(monkeypatch, reference, store):
             stepping.join(timing.STEP_LIMIT_S)
 
 
-@pytest.mark.skipif(PAIR == "v0300", reason="open: on v0300 C's hit check (batch_is_readable -> MemCache 1.2.0 "
-                    "batch_get_key_info) did not return within the 60 s step limit after A's client was killed; "
-                    "v0260 (same MemCache) and v0251 pass")
 def test_a_writer_that_dies_mid_write_costs_the_others_nothing(monkeypatch, reference):
     """A's engine host dies while A saves the prefix: its rank process and its MemCache client are
     killed (SIGKILL) with A's keys allocated and not finished. C then serves a request on the prefix
     and D one after C: each must sample what a run without the pool samples and read every state
-    right -- whatever MemCache still says of A's keys (1.2.0 shows a key being written to ``exists``)."""
+    right -- whatever MemCache still says of A's keys (1.2.0 shows a key being written to ``exists``).
+    MemCache 1.2.0's MetaService frees a dead writer's unfinished keys only once their allocation
+    lease ends, and answers no client meanwhile (seen in gdb: ``FreeBlobs`` -> ``LeaseWait``): with
+    0.30's 5-minute lease C's hit check then outlasts the step limit (``pool_alloc_lease`` asks
+    MemCache's own, 10 s by default)."""
     monkeypatch.setattr(timing, "TIME_SCALE", 0.01)
     cluster = memcache_host.Cluster()  # its own: a killed client leaves its rank's share behind
     pool = memcache_pool.MemcachePool(cluster)
@@ -187,36 +188,16 @@ def test_a_writer_that_dies_mid_write_costs_the_others_nothing(monkeypatch, refe
 LEASE_MS = 2000
 
 
-def _own_lease_ms() -> int | None:
-    """The allocation lease vllm-ascend asks for its layerwise saves (0.30.0rc2: 5 min), or None
-    where its MemCache backend's ``batch_alloc`` takes no lease and MemCache's configured lease
-    applies (0.25.1rc1, 0.26.0rc1)."""
-    import inspect
-
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import pool_worker
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.memcache_backend import MemcacheBackend
-
-    if "lease_ttl_ms" not in inspect.signature(MemcacheBackend.batch_alloc).parameters:
-        return None
-    return pool_worker.LAYERWISE_READ_LEASE_TTL_MS
-
-
-OWN_LEASE_MS = _own_lease_ms()
-
-
-@pytest.mark.parametrize("lease", [pytest.param(
-    "configured",
-    marks=[pytest.mark.control(f"vllm-ascend allocates with its own {OWN_LEASE_MS} ms lease: the stall is inside it")] if OWN_LEASE_MS else [],
-)])
-def test_a_writer_past_its_allocation_lease_publishes_no_key_with_a_gap(monkeypatch, reference, lease):
+def test_a_writer_past_its_allocation_lease_publishes_no_key_with_a_gap(monkeypatch, reference):
     """A's save of the prefix stalls past MemCache's allocation lease: held before its final layer's
     copy until the store refuses a copy into a probe allocated after A's keys. MemCache then refuses
     A's final copies (-3106), and a finish with 0 would still publish A's keys with that layer never
     written (measured on 1.2.0 and 1.3.0: finish 0, exists 1). A must sample what a run without the
     pool samples, no key may be ready with a layer never written, and C, then D, serving the prefix
     must read every state right. Without the library 0.26 stops on the refused copy (its sending
-    thread raises). 0.30.0rc2 allocates with its own 5-minute lease: there the held copy lands, A's
-    keys are whole and C hits them (a control)."""
+    thread raises). 0.30.0rc2 asks a 5-minute lease, which ``pool_alloc_lease`` leaves to MemCache's
+    configured one; with that group off the held copy lands inside 0.30's lease, A's keys are whole
+    and C hits them (what the test then requires)."""
     monkeypatch.setattr(timing, "TIME_SCALE", 0.01)
     cluster = memcache_host.Cluster(lease_ttl_ms=LEASE_MS)  # its own: the short lease is for this test only
     pool = memcache_pool.MemcachePool(cluster)
@@ -231,6 +212,7 @@ def test_a_writer_past_its_allocation_lease_publishes_no_key_with_a_gap(monkeypa
         stepping.join(timing.STEP_LIMIT_S)
         assert not stepping.is_alive(), "A's step never ended after its held copy (the sending thread stopped?)"
         engine_loop(a)
+        asked = max(pool.alloc_leases)  # the longest lease A's saves asked (0: the configured one)
         refused = [keys for direction, keys, res in pool.copy_log if direction == L2G and res != 0]
         gaps = ready_with_a_gap(pool, a)
         ready = pool.ready_keys()
@@ -241,10 +223,10 @@ def test_a_writer_past_its_allocation_lease_publishes_no_key_with_a_gap(monkeypa
         engine_loop(d)
         outputs = {**a.outputs, **c.outputs, **d.outputs}
         print(f"\nMemCache {memcache_host.version()}, allocation lease {LEASE_MS} ms configured, "
-              f"{OWN_LEASE_MS or 'none'} asked (the probe copied {probes} times before it was refused): "
+              f"{asked or 'none'} asked (the probe copied {probes} times before it was refused): "
               f"{len(refused)} of A's copies refused; {len(ready)} of A's {len(writing)} keys ready, "
               f"{len(gaps)} with a gap; C took {c_hit} tokens from the pool")
-        if OWN_LEASE_MS:
+        if asked > LEASE_MS:  # the held copy was inside the lease A asked
             assert refused == [] and len(ready) == len(writing) and c_hit == len(PREFIX)
         else:
             assert refused, "MemCache should refuse a copy past the allocation lease"

@@ -55,6 +55,7 @@ ON_030 |= {"pool_layout_keys_030", "pool_gva_cache_030", "send_stuck_030", "asyn
 ON_030 |= {"mamba_lifetime_030", "mamba_pool_resume_load_030", "mtp_layer_030", "gdn_tp_step_end_030"}  # vouched, as above
 ON_030 |= {"pool_hit_written", "pool_hit_written_exists"}  # MemCache 1.2.x hits on keys being written (every pair)
 ON_030 |= {s.name for s in pool_save_failures.SPECS}  # 0.26 and 0.30: a failed save stops the engine
+ON_030 |= {"pool_alloc_lease"}  # 0.30 only: its saves ask a 5-minute allocation lease
 ON_030 |= {"mtp_decode_saves_030"}  # 0.30 member of a 0.25 / 0.26 group (its fix, ported)
 ON_030 |= {"mtp_step_end_030", "mtp_load_before_draft_030", "mtp_load_waited_030"}  # 0.30 members of a 0.25 / 0.26 group
 #: vLLM 0.30 only: vLLM 0.29's scheduler cannot take a hybrid load-failure report (one group unpacked)

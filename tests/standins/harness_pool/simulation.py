@@ -40,8 +40,9 @@ from .instance import PoolInstance
 BLOCK = 16
 #: the fault kinds each pair's engine survives (docs/failures.md, "What still stops"): 0.26.0rc1 stops on a
 #: failed hybrid load by design (no load faults there); a failed or raising save copy costs its keys on
-#: every pair (0.26 / 0.30: group pool_save_failures)
-SAVE_FAULTS = ("save_error", "save_raise")
+#: every pair (0.26 / 0.30: group pool_save_failures); ``save_lease``: the allocations being written
+#: outlive MemCache's allocation lease just before a save copy (byte_store ``outlive_allocations``)
+SAVE_FAULTS = ("save_error", "save_raise", "save_lease")
 FAULT_KINDS = {
     "v0251": ("load_error", "load_raise", "evict", *SAVE_FAULTS),
     "v0260": SAVE_FAULTS,
@@ -80,7 +81,7 @@ class Req:
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # load_error | load_raise | evict | save_error | save_raise
+    kind: str  # load_error | load_raise | evict | save_error | save_raise | save_lease
     instance: int
     at: int  # the global step before which it is armed
 
@@ -214,7 +215,9 @@ def _reference(ep: Episode) -> dict[tuple[int, int], list[int]]:
 def _arm(pool, inst: PoolInstance, fault: Fault, result: Result) -> None:
     from byte_store import G2L, L2G
 
-    if fault.kind in ("load_error", "load_raise", "save_error", "save_raise"):
+    if fault.kind == "save_lease":
+        result.faults.setdefault(fault.kind, []).append(pool.add_fault("expire", direction=L2G, times=1))
+    elif fault.kind in ("load_error", "load_raise", "save_error", "save_raise"):
         direction = G2L if fault.kind.startswith("load") else L2G
         f = pool.add_fault("error" if fault.kind.endswith("error") else "raise", direction=direction, times=1)
         result.faults.setdefault(fault.kind, []).append(f)
