@@ -453,15 +453,16 @@ def test_030_a_recovered_load_is_counted_by_kind_with_its_rollback(library, monk
     # rolled back to token 0 (align mode keeps the latest GDN state only): the 32 tokens hit, and under
     # async scheduling the 16-token chunk computed in the step already in flight
     recomputed = 48.0 if scheduling == "async" else 32.0
-    # keys failed: the ones the store made B finish as failed. 0.30's load step saves nothing for the
-    # request and the later steps' saves are dropped by pool_load_recovery until it recomputes; its
-    # recompute then saves the prefix again. On the real MemCache 1.2.0 a copy into a key allocated
-    # right after the eviction removed it may be refused (-3102) while the MetaService still reclaims
-    # the old allocation: those keys are finished as failed (pool_save_failures) and counted here
-    failed_keys = sum(1 for blob in list(b.pool.blobs.values()) if blob.result not in (None, 0))
-    zero = {k: v for k, v in ZERO.items() if k != MAMBA}
-    assert got == zero | {kind: n_kind, "requests_rolled_back": 1.0, "tokens_recomputed": recomputed,
-                          "pool_keys_failed": float(failed_keys)}
+    # 0 keys failed: 0.30's load step saves nothing for the request, and the later steps' saves are dropped
+    # by pool_load_recovery until it recomputes. Its recompute then saves the prefix again: after the
+    # eviction, on the real MemCache 1.2.0 a copy into a key allocated right after the eviction removed
+    # it may be refused (-3102) while the MetaService still reclaims the old allocation; those keys cost
+    # only themselves (pool_save_failures), and whether the tap sees their count before B's last step
+    # is a race: not compared for "evict" (test_pool_save_failures / test_memcache_capacity count them)
+    if fault == "evict":
+        got.pop("pool_keys_failed")
+    zero = {k: v for k, v in ZERO.items() if k not in (MAMBA, *(("pool_keys_failed",) if fault == "evict" else ()))}
+    assert got == zero | {kind: n_kind, "requests_rolled_back": 1.0, "tokens_recomputed": recomputed}
     if fault == "evict":  # nothing loaded
         assert mamba == 0.0
     elif fault == "gate":  # the gated copy returns after the step gave up: never a full hit
