@@ -7,7 +7,7 @@ root=${ALP_MATRIX_DIR:-$PWD/.matrix}
 echo "check.sh: building (or reusing) the CPU environment in $root: vLLM 0.25.1 + vllm-ascend 0.25.1rc1 from the package index"
 start=$(date +%s)
 bash scripts/env.sh v0251
-echo "check.sh: running ascend-layerwise-patch check --cpu${*:+ $*} (imports vLLM and vllm-ascend with the NPU runtime stood in; ~20 s)"
+echo "check.sh: running ascend-layerwise-patch check --cpu${*:+ $*} (imports vLLM and vllm-ascend with the NPU runtime stood in)"
 rc=0
 "$root/v0251/bin/ascend-layerwise-patch" check --cpu "$@" || rc=$?
 echo "check.sh: exit $rc in $(( $(date +%s) - start )) s" >&2  # stderr: stdout stays check's (--json)

@@ -36,7 +36,7 @@ build_base() {
   local venv=$root/base
   local want; want=$(cat requirements/base.lock setup.cfg pyproject.toml | sha1sum | cut -c1-12)
   if [ -f "$venv/.done" ] && [ "$(cat "$venv/.done")" = "$want" ]; then say "base: ready ($venv)"; return; fi
-  say "base: creating $venv (CPU torch, vLLM's pure-Python dependencies, triton, pytest; about 2 minutes and 2 GB)"
+  say "base: creating $venv (CPU torch, vLLM's pure-Python dependencies, triton, pytest; 2.4 GB on disk)"
   rm -rf "$venv"; "$py" -m venv "$venv"
   say "base: installing requirements/base.lock"
   pip_q "$venv" -r requirements/base.lock
