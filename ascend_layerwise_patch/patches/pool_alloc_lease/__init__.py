@@ -47,7 +47,7 @@ def capped(lease_ms: int, bound: int | None) -> int:
     """The lease to ask: ``lease_ms`` where no bound applies, else at most ``bound`` (0 asks none)."""
     if bound is None or lease_ms <= 0:
         return lease_ms
-    return bound if bound == 0 or lease_ms > bound else lease_ms
+    return min(lease_ms, bound)
 
 
 def make_batch_alloc(original):
