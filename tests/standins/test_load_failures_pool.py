@@ -490,14 +490,24 @@ def _late_copy(monkeypatch, fence: bool, scheduling: str) -> dict:
     """b's first attention load copy is held inside the store (a gate) past the 0.3 s wait: the load is
     abandoned and b rolled back (its blocks freed, every one: the attention blocks were the ones not
     loaded). e arrives right after, in a KV cache of 16 blocks, and is given b's freed blocks. The
-    gate opens 3 steps later (``fence`` off: the copy then writes into e's blocks, already computed)
-    or, while the step after the failure waits in the fence, after 2 s. Returns what the copy hit."""
+    gate opens when the step after the failure enters the fence (``fence`` on), or 3 steps later
+    (``fence`` off: the copy then writes into e's blocks, already computed). Events and step counts
+    decide when it opens, never a timer. Returns what the copy hit."""
     import threading
-    import time
 
     _set("on")
     monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)
-    if not fence:  # only the fence off: the rest of the library's load-failure handling on
+    landed = threading.Event()
+    opened: list = []  # the gate, once made: the fence opens it
+    if fence:
+        real_fence = load_failures.report._fence
+
+        def fence_opens_gate(*args):
+            opened[0].gate.set()  # the step waits in the fence: now the late copy may return
+            return real_fence(*args)
+
+        monkeypatch.setattr(load_failures.report, "_fence", fence_opens_gate)
+    else:  # only the fence off: the rest of the library's load-failure handling on
         monkeypatch.setattr(load_failures.report, "_fence", lambda *_a: None)
     pool = make_pool()
     a = PoolInstance(pool, name="A")
@@ -511,6 +521,7 @@ def _late_copy(monkeypatch, fence: bool, scheduling: str) -> dict:
     group = str(b.group_of[b.attn_layers[0]])
     match = lambda key: key.split("@")[1] == group  # noqa: E731
     fault = pool.add_fault("gate", direction=G2L, times=1, match=match)
+    opened.append(fault)
     out: dict = {"landed_at": None}
 
     def observe(direction, items, _host):
@@ -519,28 +530,23 @@ def _late_copy(monkeypatch, fence: bool, scheduling: str) -> dict:
             sched = b.scheduler
             held = {r.request_id for r in sched.running if r.request_id != "b" and any(x in blocks for ids in sched.kv_cache_manager.get_block_ids(r.request_id) for x in ids)}
             out.update(landed_at=b.steps, blocks=sorted(blocks), held_by=sorted(held))
+            landed.set()
 
     pool.observers.append(observe)
     req_b = b.add_request("b", B_PROMPT, max_tokens=MAX_TOKENS)
-    timer = threading.Timer(2.0, fault.gate.set)
     e: list = []
     failed_at = 2 if asy else 1  # executed batches when the failure reaches the scheduler
 
     def after(inst, _so):
-        if inst.steps == 1 and not timer.is_alive() and not fault.gate.is_set():
-            timer.start()  # the failed batch ran (async: the next one runs in the same engine step)
         if inst.steps == failed_at and not e:
             e.append(inst.add_request("e", E_LONG, max_tokens=4))
         if inst.steps == failed_at + 3 and not fault.gate.is_set():
             fault.gate.set()
-            deadline = time.monotonic() + 5
-            while out["landed_at"] is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert landed.wait(30), "the released copy never reached the store's observer"
 
     try:
         engine_loop(b, on_step=after)
     finally:
-        timer.cancel()
         fault.gate.set()
     assert fault.hits == 1 and out["landed_at"] is not None
     out.update(
