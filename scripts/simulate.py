@@ -2,11 +2,18 @@
 """The pool simulation's long run: seeded episodes on one pair, a progress bar, and a summary table.
 
     python scripts/simulate.py --pair v0251 --seeds 10000 [--start 0] [--jobs N] [--shrink]
+    python scripts/simulate.py --pair v0251 --seeds 60 --jobs 2 --groups-off all [--shrink]
 
 Each job is a pytest process of the pair's venv (``.matrix/<pair>``) running
 ``tests/standins/test_simulation.py::test_long_run`` on its slice of seeds; every episode's outcome is
 a JSON line. ``--shrink`` reduces each failing seed's episode and prints it as a pytest case (paste it
 into ``REGRESSIONS`` of tests/standins/test_simulation.py once the library fixes it).
+
+``--groups-off`` (comma-separated groups, ``all`` for every group that applies on the pair, ``library``
+for ``ASCEND_LAYERWISE_PATCH=0``) runs, for each in turn, the seeds from ``--start`` with that group
+skipped (``ASCEND_LAYERWISE_PATCH_SKIP``) until the first failing episode, at most ``--seeds``; it
+ends with a table: group, first failing seed (or none in N), what failed and, with ``--shrink``, the
+size of the shrunk episode. A group the simulation never catches is a hole in the generator.
 """
 
 from __future__ import annotations
@@ -27,6 +34,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pytest(python: str, test: str, env: dict) -> subprocess.Popen:
     cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", f"tests/standins/test_simulation.py::{test}"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _jobs(python: str, seeds: tuple[int, int], jobs: int, tmp: Path, env: dict, interleave: bool = False):
+    """Start ``jobs`` pytest processes over ``seeds`` (start, count): contiguous slices, or with
+    ``interleave`` every ``jobs``-th seed each (the seeds then finish roughly in order)."""
+    start, total = seeds
+    procs, outs = [], []
+    per_job = -(-total // jobs)
+    for j in range(jobs):
+        if interleave:
+            count = len(range(start + j, start + total, jobs))
+            spec = f"{start + j}:{count}:{jobs}"
+        else:
+            first = start + j * per_job
+            count = min(per_job, start + total - first)
+            spec = f"{first}:{count}"
+        if count <= 0:
+            break
+        out = tmp / f"job{j}.jsonl"
+        outs.append(out)
+        procs.append(_pytest(python, "test_long_run", {**env, "ALP_SIM_SEEDS": spec, "ALP_SIM_OUT": str(out)}))
+    return procs, outs
 
 
 def _rows(paths) -> list[dict]:
@@ -52,22 +81,16 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--shrink", action="store_true", help="shrink every failing seed's episode")
+    ap.add_argument("--groups-off", default="", help="GROUP[,GROUP] | all | library: for each, the first failing seed with it off")
     args = ap.parse_args(argv)
     python = ROOT / ".matrix" / args.pair / "bin" / "python"
     if not python.exists():
         print(f"simulate: no venv for {args.pair} at {python} (bash scripts/env.sh {args.pair})", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="alp-sim-"))
-    per_job = -(-args.seeds // args.jobs)
-    jobs, outs = [], []
-    for j in range(args.jobs):
-        start = args.start + j * per_job
-        count = min(per_job, args.start + args.seeds - start)
-        if count <= 0:
-            break
-        out = tmp / f"job{j}.jsonl"
-        outs.append(out)
-        jobs.append(_pytest(str(python), "test_long_run", {"ALP_SIM_SEEDS": f"{start}:{count}", "ALP_SIM_OUT": str(out)}))
+    if args.groups_off:
+        return groups_off(args, str(python), tmp)
+    jobs, outs = _jobs(str(python), (args.start, args.seeds), args.jobs, tmp, {})
     started = time.monotonic()
     while any(p.poll() is None for p in jobs):
         rows = _rows(outs)
@@ -85,14 +108,93 @@ def main(argv=None) -> int:
         print(f"failing seeds: {failing}")
     if args.shrink:
         for seed in failing:
-            out = tmp / f"shrink{seed}.json"
-            p = _pytest(str(python), "test_shrink", {"ALP_SIM_SHRINK": str(seed), "ALP_SIM_OUT": str(out)})
-            p.wait()
-            if out.exists():
-                found = json.loads(out.read_text())
+            found = _shrink(str(python), seed, tmp, {})
+            if found:
                 print(f"\nseed {seed}: shrunk from size {found['size'][0]} to {found['size'][1]} "
                       f"(still fails: {found['still_fails']}; {found['what'][:300]})\n{found['case']}")
     return 1 if failing or len(rows) < args.seeds else 0
+
+
+def _shrink(python: str, seed: int, tmp: Path, env: dict) -> dict | None:
+    out = tmp / f"shrink{seed}.json"
+    out.unlink(missing_ok=True)
+    p = _pytest(python, "test_shrink", {**env, "ALP_SIM_SHRINK": str(seed), "ALP_SIM_OUT": str(out)})
+    p.wait()
+    return json.loads(out.read_text()) if out.exists() else None
+
+
+def _applying_groups(python: str) -> list[str]:
+    """The groups with a patch applied on this pair (``check --cpu --json``, the pair's own venv)."""
+    code = (
+        "import json, sys; sys.path[:0] = ['tests/standins', 'tests']\n"
+        "from ascend_layerwise_patch import cpu_standins; cpu_standins.install()\n"
+        "import ascend_layerwise_patch as a\n"
+        "print(json.dumps(sorted({s.group for s in a.REGISTRY.status() if s.state == 'applied'})))"
+    )
+    out = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _what(row: dict) -> str:
+    if row.get("error"):
+        return "harness error: " + row["error"][:80]
+    parts = []
+    if row.get("stops"):
+        parts.append("stop: " + row["stops"][0][:90])
+    if row.get("divergences"):
+        parts.append(f"{row['divergences']} diverging request(s)")
+    if row.get("wrong_reads"):
+        parts.append(f"{row['wrong_reads']} wrong read(s)")
+    if row.get("leaks"):
+        parts.append(f"{row['leaks']} leak(s)")
+    return "; ".join(parts)
+
+
+def groups_off(args, python: str, tmp: Path) -> int:
+    """For each group of ``--groups-off``: seeds from ``--start`` with it skipped until one fails."""
+    names = args.groups_off.split(",")
+    if names == ["all"]:
+        names = _applying_groups(python)
+    table_rows = []
+    for name in names:
+        env = {"ASCEND_LAYERWISE_PATCH": "0", "ALP_SIM_POLICY": "fail"} if name == "library" else {"ASCEND_LAYERWISE_PATCH_SKIP": name}
+        run = tmp / name
+        run.mkdir(exist_ok=True)
+        jobs, outs = _jobs(python, (args.start, args.seeds), args.jobs, run, env, interleave=True)
+        started, first = time.monotonic(), None
+        while True:
+            rows = {r["seed"]: r for r in _rows(outs)}
+            bad = sorted(s for s, r in rows.items() if _failed(r))
+            # the first failing seed once every seed below it has run
+            if bad and all(s in rows for s in range(args.start, bad[0])):
+                first = rows[bad[0]]
+                break
+            if all(p.poll() is not None for p in jobs):
+                rows = {r["seed"]: r for r in _rows(outs)}
+                bad = sorted(s for s, r in rows.items() if _failed(r))
+                first = rows[bad[0]] if bad else None
+                break
+            sys.stderr.write(f"\r{name}: {len(rows)}/{args.seeds} episodes, {time.monotonic() - started:.0f} s ")
+            sys.stderr.flush()
+            time.sleep(0.5)
+        for p in jobs:
+            if p.poll() is None:
+                p.terminate()  # its rank processes end with it (their pipes close)
+            p.wait()
+        ran = len({r["seed"] for r in _rows(outs)})
+        size = ""
+        if first is not None and args.shrink:
+            found = _shrink(python, first["seed"], run, env)
+            size = f"{found['size'][0]} -> {found['size'][1]}" if found else "shrink failed"
+        row = (name, str(first["seed"]) if first else f"none in {ran}", _what(first) if first else "-", size)
+        table_rows.append(row)
+        sys.stderr.write(f"\r{name}: first failing seed {row[1]} ({time.monotonic() - started:.0f} s)\n")
+    print(f"groups off on {args.pair} (seeds from {args.start}, at most {args.seeds} each)")
+    print("| group off | first failing seed | what failed | shrunk size |")
+    print("|---|---|---|---|")
+    for row in table_rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
 
 
 def _failed(row: dict) -> bool:

@@ -54,3 +54,26 @@ def _rank_processes_closed():
     rank_procs = sys.modules.get("rank_procs")
     if rank_procs is not None:
         rank_procs.close_all()
+
+
+def _states(reg) -> dict[str, str]:
+    return {st.name: st.state for st in reg.status()}
+
+
+@pytest.fixture(autouse=True)
+def _library_left_as_configured(request):
+    """After each test: the library is as this process's environment configures it. A test that
+    re-activated it otherwise (a group skipped, the library off) and did not restore it fails here,
+    and the next test still starts as configured: no module runs on a state another one left."""
+    reg = ascend_layerwise_patch.REGISTRY
+    before = _states(reg)
+    yield
+    after = _states(reg)
+    if after == before:
+        return
+    from support import activate_skipping
+
+    configured = _states(activate_skipping())
+    left = {name: state for name, state in after.items() if configured.get(name) != state}
+    if left:
+        pytest.fail(f"the test left the library re-activated otherwise than configured (restored now): {sorted(left.items())[:6]}")

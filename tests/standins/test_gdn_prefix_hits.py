@@ -343,17 +343,14 @@ def test_precopy_applies_with_gdn_layerwise_or_not_at_all():
 def test_pool_hit_group_off_reads_wrong_states(library_on):
     """Everything else on, ``mamba_pool_hit`` off: the (c) boundaries read states nobody saved
     (on v0260 too, where the library-off run above hangs before it gets there)."""
-    import os
-
     from ascend_layerwise_patch.patches import mamba_pool_hit
     from ascend_layerwise_patch.registry import SKIPPED
+    from harness_pool import groups_skipped
 
-    reg = ascend_layerwise_patch.REGISTRY
-    reg.revert()
-    reg.activate(environ={**os.environ, "ASCEND_LAYERWISE_PATCH_SKIP": "mamba_pool_hit"})
-    assert {st.state for st in reg.status() if st.group == "mamba_pool_hit"} == {SKIPPED}
     assert {s.group for s in mamba_pool_hit.SPECS} == {"mamba_pool_hit"}
-    table = {name: wrong_layers(name) for name in ("whole_prompt_one_chunk", "whole_prompt_16_token_chunks", "first_block_only")}
+    with groups_skipped("mamba_pool_hit"):  # and re-activated as configured after: later modules run with it on
+        assert {st.state for st in ascend_layerwise_patch.REGISTRY.status() if st.group == "mamba_pool_hit"} == {SKIPPED}
+        table = {name: wrong_layers(name) for name in ("whole_prompt_one_chunk", "whole_prompt_16_token_chunks", "first_block_only")}
     print(f"\nmamba_pool_hit off: {table}")
     assert all(wrong_gdn > 0 for wrong_gdn, _attn, _starts in table.values()), table
 

@@ -43,7 +43,7 @@ vllm-ascend 0.26
          keys of this step's null mamba blocks as present (found, leased) during the call and then
          zeroes their GVAs and drops them from the request's lease keys; null blocks of align-state
          groups are skipped by the layer batch builder anyway, so nothing is copied for them. A key
-         another request of the step needs for a real block is looked up as usual. vllm-ascend
+         another request of the step loads into a real block is looked up as usual. vllm-ascend
          0.25.1rc1 logs the missing key and loads nothing for it, so the member is not needed there.
 MTP      vllm-ascend 0.26's ``get_num_new_matched_tokens`` then drops the hit's last LCM block when an
          eagle-family draft runs (``use_eagle``: MTP is one; "support loading the trailing block as
@@ -230,14 +230,25 @@ def _align_groups(worker) -> list[int]:
     return [g for g, on in enumerate(getattr(worker, "group_uses_align_state", None) or ()) if on]
 
 
-def _align_blocks(worker, module, request, align):
-    """(group, block id, block hash) for each block of ``request`` in the ``align`` groups."""
+def _align_blocks(worker, module, request, align, loading=False):
+    """(group, block id, block hash) for each block of ``request`` in the ``align`` groups; with
+    ``loading``, only the blocks upstream's ``_prepare_load_gvas`` looks up for it: from vLLM's own
+    hit (0 with ``layerwise_offload``) to the last full block of the pool hit."""
     for g in align:
         if g >= len(request.block_ids_by_group_np):
             continue
         ids = request.block_ids_by_group_np[g]
-        hashes = module.get_block_hashes(request.block_hashes, worker._get_effective_group_block_size(g), worker.hash_block_size)
-        for i in range(min(len(ids), len(hashes))):
+        size = worker._get_effective_group_block_size(g)
+        hashes = module.get_block_hashes(request.block_hashes, size, worker.hash_block_size)
+        start, end = 0, min(len(ids), len(hashes))
+        if loading:
+            spec_ = request.load_spec
+            cached = spec_.kvpool_cached_tokens
+            if not getattr(worker, "use_eagle", False) and spec_.kvpool_store_skip_tokens is not None:
+                cached = spec_.kvpool_store_skip_tokens
+            start = 0 if getattr(worker, "layerwise_offload", False) else spec_.vllm_cached_tokens // size
+            end = min(end, cached // size)
+        for i in range(start, end):
             yield g, int(ids[i]), hashes[i]
 
 
@@ -285,10 +296,12 @@ def null_loads_present(original):
         real: set[str] = set()
         loading = [r for r in requests if r.load_spec is not None and r.load_spec.can_load and r.block_ids_by_group_np is not None]
         for request in loading:
-            for g, block_id, block_hash in _align_blocks(self, module, request, align):
+            for g, block_id, block_hash in _align_blocks(self, module, request, align, loading=True):
                 key = self._make_layerwise_gva_key(g, module.block_hash_to_str(block_hash))
                 (null if block_id == NULL_BLOCK_ID else real).add(key)
-        null -= real  # a key another request loads into a real block is looked up as usual
+        # a key another request LOADS into a real block is looked up as usual (one that only holds
+        # it as a block it computes this step, past its hit, does not: that key may not exist yet)
+        null -= real
         result = _with_store(self, null, lambda: original(self, requests))
         if null:
             for request in loading:
