@@ -7,6 +7,7 @@ set up, so the lines read as vLLM's own), and which module sets that logging up.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import versions
@@ -14,6 +15,15 @@ from .registry.spec import Host
 
 LOGGER_NAME = "vllm.ascend_layerwise_patch"
 LOGGING_MODULE = "vllm.logger"
+
+
+#: the words a patch's own switch reads as "off" (any case); "0" is not among them: its meaning is the switch's own
+OFF_WORDS = frozenset({"off", "none", "false", "no"})
+
+
+def switch(name: str, environ=None) -> str:
+    """A patch's own switch ``name`` from ``environ`` (default: the process's), stripped and lower-case."""
+    return (os.environ if environ is None else environ).get(name, "").strip().lower()
 
 
 def logger():

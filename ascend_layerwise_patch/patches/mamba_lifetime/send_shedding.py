@@ -54,13 +54,12 @@ Removal  When vllm-ascend bounds its open layerwise sends itself (detected: a sc
 from __future__ import annotations
 
 import functools
-import os
 import re
 import threading
 import time
 
 from ... import pool_events
-from ...host import logger
+from ...host import OFF_WORDS, logger, switch
 from .._checks import expects
 from .._ranges import V025
 from .._targets import STORE
@@ -90,10 +89,10 @@ def counters() -> dict[str, int]:
 
 def fraction(environ=None) -> float | None:
     """The bound as a fraction of the block pool, or None (unbounded) for ``off`` / ``0``."""
-    value = (os.environ if environ is None else environ).get(ENV_BACKLOG, "").strip().lower()
+    value = switch(ENV_BACKLOG, environ)
     if not value:
         return DEFAULT_FRACTION
-    if value in {"off", "none", "false", "no"}:
+    if value in OFF_WORDS:
         return None
     try:
         frac = float(value)
@@ -109,13 +108,13 @@ def fraction(environ=None) -> float | None:
 
 def steps_limit(environ=None) -> int | None:
     """How many steps' sends may be open at once, or None (no step bound) for ``off`` / ``0``."""
-    value = (os.environ if environ is None else environ).get(ENV_STEPS, "").strip().lower()
+    value = switch(ENV_STEPS, environ)
     if not value:
         return DEFAULT_STEPS
     try:
         steps = int(value)
     except ValueError:
-        if value not in {"off", "none", "false", "no"}:
+        if value not in OFF_WORDS:
             logger().warning("ascend_layerwise_patch: %s=%r is not a number of steps; using %s", ENV_STEPS, value, DEFAULT_STEPS)
             return DEFAULT_STEPS
         return None

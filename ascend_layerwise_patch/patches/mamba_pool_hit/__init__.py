@@ -253,7 +253,9 @@ def _align_blocks(worker, module, request, align, loading=False):
 
 
 def no_null_mamba_keys(original):
-    """``_alloc_gvas_for_save`` that never publishes a mamba group's null block under a real key."""
+    """``_alloc_gvas_for_save`` that never publishes a mamba group's null block under a real key. A
+    key one request of the step would save from a real block while another holds it as a null block
+    stays unpublished this step (the null block wins: never its bytes under a real key)."""
     module = importlib.import_module(f"{POOL}.pool_worker")
 
     @functools.wraps(original)

@@ -15,9 +15,8 @@ Removal  When the save path asks no lease longer than the bound (``LAYERWISE_REA
 from __future__ import annotations
 
 import functools
-import os
 
-from ...host import logger
+from ...host import OFF_WORDS, logger, switch
 from .._checks import Group
 from .._checks import expects as _expects
 from .._ranges import V029_030
@@ -25,15 +24,14 @@ from .._targets import STORE
 
 BACKEND = f"{STORE}.backend.memcache_backend:MemcacheBackend"
 ENV = "ASCEND_LAYERWISE_PATCH_ALLOC_LEASE_S"
-OFF = {"off", "none", "false", "no"}
 
 
 def bound_ms(environ=None) -> int | None:
     """The longest allocation lease a save may ask (ms; 0: the store's own), or None (``off``)."""
-    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
+    value = switch(ENV, environ)
     if not value:
         return 0
-    if value in OFF:
+    if value in OFF_WORDS:
         return None
     try:
         seconds = float(value)
