@@ -11,6 +11,11 @@ cpu_standins.install()
 
 import ascend_layerwise_patch  # noqa: E402,F401  (activates: post-import hooks only)
 
+# vllm-ascend's layer threads are daemons that may still log ("Layerwise %d load waits for attention
+# compute start") after pytest has closed the stream it captured for their test; the logging module
+# would print a "--- Logging error --- ValueError: I/O operation on closed file" traceback for each.
+logging.raiseExceptions = False
+
 
 class LogRecords(logging.Handler):
     """Every record logged through vLLM's logger (vllm-ascend's and this library's are children)."""
