@@ -18,6 +18,7 @@ import pytest
 
 import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import load_failures
+from ascend_layerwise_patch.patches import _failed_load
 from ascend_layerwise_patch.registry import APPLIED
 
 from support import PAIR
@@ -48,7 +49,7 @@ def test_load_agreement_applies(library):
 
 def _run(monkeypatch, mode: str, tp: int, rank: int, fault: str, scheduling: str, between: bool = False, store=None) -> Run:
     _set(mode)
-    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # read in the rank processes (forked later)
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # read in the rank processes (forked later)
     return Run(fault, scheduling=scheduling, tp=tp, rank=rank, between=between, store=store)
 
 

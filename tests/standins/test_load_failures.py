@@ -15,6 +15,7 @@ import pytest
 
 import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import load_failures
+from ascend_layerwise_patch.patches import _failed_load
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR, activate_skipping
@@ -135,7 +136,7 @@ def test_failed_load_with_fail_policy_ends_only_that_request(library, expected):
 
 def test_blocked_load_times_out_and_is_recomputed(library, expected, monkeypatch):
     library(True)
-    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the test
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the test
     run = Run("recompute", "gate", release_gate_after_first_step=True)
     reported = run.reported()
     assert reported[0] and reported[0] <= run.loaded_blocks

@@ -19,6 +19,7 @@ import pytest
 
 import ascend_layerwise_patch
 from ascend_layerwise_patch.patches import load_failures, mamba_pool_hit
+from ascend_layerwise_patch.patches import _failed_load
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
 
 from support import PAIR
@@ -222,7 +223,7 @@ class Run:
 @pytest.mark.parametrize("fault", ["error", "raise", "gate", "evict"])
 def test_failed_step_saves_are_never_published(library, expected, monkeypatch, fault, scheduling):
     library("on")
-    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
     run = Run(fault, scheduling=scheduling)
     sfx = "_async" if scheduling == "async" else ""
     assert run.fault is None or run.fault.hits == 1
@@ -496,7 +497,7 @@ def _late_copy(monkeypatch, fence: bool, scheduling: str) -> dict:
     import threading
 
     _set("on")
-    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)
     landed = threading.Event()
     opened: list = []  # the gate, once made: the fence opens it
     if fence:

@@ -28,6 +28,7 @@ import pytest
 import ascend_layerwise_patch
 from ascend_layerwise_patch import pool_events
 from ascend_layerwise_patch.patches import load_failures, pool_metrics
+from ascend_layerwise_patch.patches import _failed_load
 from ascend_layerwise_patch.patches.mamba_lifetime import send_integrity, send_shedding
 from ascend_layerwise_patch.patches.pool_metrics import v030 as pool_metrics_030
 from ascend_layerwise_patch.registry import APPLIED, SKIPPED
@@ -216,7 +217,7 @@ def test_a_clean_run_shows_every_metric_at_zero(library):
 @pytest.mark.parametrize("fault,kind", [("error", "load_failed"), ("raise", "load_raised"), ("gate", "load_late")])
 def test_a_failed_load_is_counted_by_kind_with_its_rollback(library, monkeypatch, fault, kind):
     library(True)
-    monkeypatch.setattr(load_failures.report, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
+    monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # upstream's 10 s, shortened for the gate fault
     b, tap, f, pool = _load_fault_run(fault)
     assert f.hits == 1
     got = _figures(tap, b)
@@ -439,7 +440,6 @@ def test_030_a_recovered_load_is_counted_by_kind_with_its_rollback(library, monk
     """B's 32-token hit fails to load (pool_load_recovery reports it, B's request is preempted and
     recomputes its prompt): the failure by kind, the request rolled back, the tokens it recomputes, the
     GDN bytes that did load; vllm-ascend's own four stay 0 (the layerwise path feeds none of them)."""
-    from ascend_layerwise_patch.patches import _failed_load
 
     library(True)
     monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # the layer wait's bound (pool_load_wait_bound), for the gate

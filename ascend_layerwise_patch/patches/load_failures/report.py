@@ -17,7 +17,6 @@ from .._checks import source as _source
 from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, GROUP, _as_scheduled, taint
 
 
-WAIT_S = _failed_load.WAIT_S  # upstream's wait_for_layer_load timeout (checked in its source); tests shorten it here
 
 
 class _Recv:
@@ -238,7 +237,8 @@ def make_wait(original):
             event.clear()
             _report(self, state.take())
             return
-        if event.wait(timeout=WAIT_S):
+        wait_s = _failed_load.WAIT_S  # one setting, read at call time (upstream's timeout; tests shorten it)
+        if event.wait(timeout=wait_s):
             event.clear()
             _report(self, state.take())
             return
@@ -247,7 +247,7 @@ def make_wait(original):
             "ascend_layerwise_patch: layerwise load of layer %d timed out after %.0f s (requests %s); "
             "the step's loads are reported to the scheduler and the rest of them abandoned",
             layer,
-            WAIT_S,
+            wait_s,
             sorted(step.req_ids),
         )
         _report(self, state.take())
