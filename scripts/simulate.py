@@ -124,15 +124,10 @@ def _shrink(python: str, seed: int, tmp: Path, env: dict) -> dict | None:
 
 
 def _applying_groups(python: str) -> list[str]:
-    """The groups with a patch applied on this pair (``check --cpu --json``, the pair's own venv)."""
-    code = (
-        "import json, sys; sys.path[:0] = ['tests/standins', 'tests']\n"
-        "from ascend_layerwise_patch import cpu_standins; cpu_standins.install()\n"
-        "import ascend_layerwise_patch as a\n"
-        "print(json.dumps(sorted({s.group for s in a.REGISTRY.status() if s.state == 'applied'})))"
-    )
-    out = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    """The groups with a patch applied on this pair (``check --cpu --json`` in the pair's own venv)."""
+    cli = Path(python).parent / "ascend-layerwise-patch"
+    out = subprocess.run([str(cli), "check", "--cpu", "--json"], cwd=ROOT, capture_output=True, text=True).stdout
+    return sorted({p["group"] for p in json.loads(out)["patches"] if p["state"] == "applied"})
 
 
 def _what(row: dict) -> str:
@@ -152,12 +147,14 @@ def _what(row: dict) -> str:
 
 def groups_off(args, python: str, tmp: Path) -> int:
     """For each group of ``--groups-off``: seeds from ``--start`` with it skipped until one fails."""
-    names = args.groups_off.split(",")
-    if names == ["all"]:
-        names = _applying_groups(python)
+    names = []
+    for name in args.groups_off.split(","):
+        names += _applying_groups(python) if name == "all" else [name]
     table_rows = []
     for name in names:
         env = {"ASCEND_LAYERWISE_PATCH": "0", "ALP_SIM_POLICY": "fail"} if name == "library" else {"ASCEND_LAYERWISE_PATCH_SKIP": name}
+        if name.startswith(("load_failures", "pool_load_recovery")) and not name.endswith("_policy"):
+            env["ALP_SIM_POLICY"] = "fail"  # `recompute` needs the policy group, which needs these (the policy's own row: the refusal)
         run = tmp / name
         run.mkdir(exist_ok=True)
         jobs, outs = _jobs(python, (args.start, args.seeds), args.jobs, run, env, interleave=True)

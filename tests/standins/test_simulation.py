@@ -77,6 +77,20 @@ def test_shrunk_regression(episode):
     check(run_episode(episode))
 
 
+@pytest.mark.pairs("v0251")
+@pytest.mark.control("the library's own group isolation: with the library off none of its groups runs to raise")
+def test_a_group_off_shows_its_own_defect_not_another_group_s_error():
+    """``gdn_layerwise`` skipped (``--groups-off``): GDN layers do not wait for their loads (wrong reads:
+    its defect), and ``load_failures``' layer wait, whose step used to begin at the GDN first layer,
+    must not raise (it did: KeyError '_ascend_layerwise_patch_load_step', every episode a stop)."""
+    from harness_pool import groups_skipped
+
+    with groups_skipped("gdn_layerwise"):
+        result = run_episode(episode_from_seed(0))
+    print(f"\ngdn_layerwise off, seed 0: stops {[s[1][:120] for s in result.stops]}, wrong reads {result.wrong_reads}")
+    assert result.stops == [] and result.wrong_reads > 0
+
+
 def _long_run_seeds() -> list[int]:
     spec = os.environ.get("ALP_SIM_SEEDS")
     if not spec:

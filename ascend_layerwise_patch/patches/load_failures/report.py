@@ -226,7 +226,9 @@ def make_wait(original):
                     event.clear()  # sets left by late or abandoned loads of earlier steps
                 state.take()  # already reported with their step
                 step.late = False
-        step = self.__dict__[_STEP]
+        step = self.__dict__.get(_STEP)
+        if step is None:  # the step's first layer never waited here (a GDN layer without gdn_layerwise)
+            return original(self)
         if step.late:
             return  # this step's loads were abandoned (or never attempted): nothing to wait for
         layer = self.current_layer
