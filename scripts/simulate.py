@@ -132,7 +132,7 @@ def _applying_groups(python: str) -> list[str]:
 
 def _what(row: dict) -> str:
     if row.get("error"):
-        return "harness error: " + row["error"][:80]
+        return " ".join(("harness error: " + row["error"][:80]).split())
     parts = []
     if row.get("stops"):
         parts.append("stop: " + row["stops"][0][:90])
@@ -142,7 +142,7 @@ def _what(row: dict) -> str:
         parts.append(f"{row['wrong_reads']} wrong read(s)")
     if row.get("leaks"):
         parts.append(f"{row['leaks']} leak(s)")
-    return "; ".join(parts)
+    return " ".join("; ".join(parts).split())  # one table row: no newlines
 
 
 def groups_off(args, python: str, tmp: Path) -> int:
