@@ -160,23 +160,21 @@ def groups_off(args, python: str, tmp: Path) -> int:
         jobs, outs = _jobs(python, (args.start, args.seeds), args.jobs, run, env, interleave=True)
         started, first = time.monotonic(), None
         while True:
+            done = all(p.poll() is not None for p in jobs)  # before the read: a finished job's rows are all in
             rows = {r["seed"]: r for r in _rows(outs)}
             bad = sorted(s for s, r in rows.items() if _failed(r))
             # the first failing seed once every seed below it has run
-            if bad and all(s in rows for s in range(args.start, bad[0])):
+            if bad and (done or all(s in rows for s in range(args.start, bad[0]))):
                 first = rows[bad[0]]
                 break
-            if all(p.poll() is not None for p in jobs):
-                rows = {r["seed"]: r for r in _rows(outs)}
-                bad = sorted(s for s, r in rows.items() if _failed(r))
-                first = rows[bad[0]] if bad else None
+            if done:
                 break
             sys.stderr.write(f"\r{name}: {len(rows)}/{args.seeds} episodes, {time.monotonic() - started:.0f} s ")
             sys.stderr.flush()
             time.sleep(0.5)
         for p in jobs:
             if p.poll() is None:
-                p.terminate()  # its rank processes end with it (their pipes close)
+                p.terminate()  # its rank processes end with it (rank_procs sets PR_SET_PDEATHSIG)
             p.wait()
         ran = len({r["seed"] for r in _rows(outs)})
         size = ""

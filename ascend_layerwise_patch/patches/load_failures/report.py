@@ -17,8 +17,6 @@ from .._checks import source as _source
 from ._common import _FAILED_COPY, _POISONED, _RECV, _STEP, GROUP, _as_scheduled, taint
 
 
-
-
 class _Recv:
     """What the receiving thread tells the worker: blocks of failed copies, and whether it is inside one."""
 
