@@ -35,7 +35,7 @@ import byte_store
 import byte_store_remote
 
 COLLECTIVE_TIMEOUT_S = 15.0
-START_LIMIT_S = 120.0  # a rank's start: its worker half, caches and threads (2 cores, 8 ranks)
+START_LIMIT_S = 240.0  # a rank's start: its worker half, caches, threads and its MemCache agent (2 cores, 8 ranks)
 #: a step's answer from every rank; above the collective timeout, so a rank stuck in a collective
 #: shows as the error it raises rather than as a missing answer
 REPLY_LIMIT_S = 60.0

@@ -50,8 +50,10 @@ CANN_LIBS = ("libascendcl.so", "libascend_hal.so", "libruntime.so", "libra.so", 
              "libdcmi.so", "libnnopbase.so", "libopapi.so", "libtsdclient.so")
 #: a driver version memfabric accepts (it needs at least V100R001C18B100)
 DRIVER_VERSION = "Version=25.2.0\nInnerversion=V100R001C23SPC005B219\n"
-#: seconds a client's init waits to join memfabric's group before it fails (``Cluster.START_TRIES``)
-JOIN_TIMEOUT_S = 5
+#: seconds a client's init waits to join memfabric's group before it fails, per start attempt
+#: (``Cluster.START_TRIES``): a lost join is given up fast; a join that is only slow (8 rank
+#: processes importing vLLM on 2 cores) gets longer on each try
+JOIN_TIMEOUT_S = (5, 15, 40)
 #: the MetaService answers on these offsets from its base port: meta, config store, metrics
 PORT_OFFSETS = {"meta": 0, "config_store": 1000, "metrics": 3000}
 
@@ -115,13 +117,13 @@ def build() -> dict[str, str]:
     return {"home": str(home), "shim": str(shim), "install_info": str(info)}
 
 
-def client_env(base: dict | None = None) -> dict[str, str]:
+def client_env(base: dict | None = None, join_timeout_s: int = JOIN_TIMEOUT_S[0]) -> dict[str, str]:
     """The environment of a process that runs a MemCache client (built first if need be)."""
     paths = build()
     env = dict(os.environ if base is None else base)
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "path_shim" not in p]
     libs = [os.path.join(paths["home"], "lib64"), *(p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p)]
-    env.setdefault("MF_GROUP_JOIN_MAX_TIMEOUT", str(JOIN_TIMEOUT_S))
+    env.setdefault("MF_GROUP_JOIN_MAX_TIMEOUT", str(join_timeout_s))
     env.update(
         ASCEND_HOME_PATH=paths["home"],
         LD_LIBRARY_PATH=":".join(dict.fromkeys(libs)),
@@ -333,6 +335,15 @@ def device_buffer(size: int):
     raise OSError(ctypes.get_errno(), "could not map a buffer in the device window")
 
 
+def _tail(path: str, lines: int = 12) -> str:
+    """The last lines of an agent's log, for an error that may be read only in a CI log."""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "".join(f"\n  | {line}" for line in text)
+
+
 class AgentError(RuntimeError):
     """A MemCache agent failed a call (its traceback is the message) or did not answer."""
 
@@ -410,14 +421,17 @@ class Cluster:
     in its share of the pool, live on (as a MemCache local service that outlives one engine would;
     the writer dying with its share is :meth:`drop`)."""
 
-    START_LIMIT_S = 30.0  # an agent's start: its client's init (1.2.0 imports torch: seconds on 2 busy cores)
+    #: an agent's start beyond its join timeout: its client's init (1.2.0 imports torch: seconds on 2 busy cores)
+    START_LIMIT_S = 30.0
     #: A client's init joins memfabric's group (``smem_bm_join``). On 2 busy cores about one join in
     #: five never completes: no member sees the newcomer's join event, and the join waits out its
     #: timeout, 900 s by default (both versions; seen far more with 1.2.0's slower start). With
     #: ``MF_GROUP_JOIN_MAX_TIMEOUT`` (:data:`JOIN_TIMEOUT_S`) the init gives up, cleans up and
     #: returns -1, and a new agent then joins (every retry did in 15 starts, 5 lost joins, two busy
-    #: loops); an agent killed mid-join instead left its rank stuck for the next one.
-    START_TRIES = 3
+    #: loops); an agent killed mid-join instead left its rank stuck for the next one. A join that
+    #: is only slow failed all three tries at 5 s once (CI, 8 ranks starting on 2 cores): each try
+    #: waits longer.
+    START_TRIES = len(JOIN_TIMEOUT_S)
 
     def __init__(self, prestart: int = 0, **meta_options):
         """``prestart``: agents started now, idle until a process takes one."""
@@ -442,18 +456,18 @@ class Cluster:
     def _start(self, owner: int) -> AgentHandle:
         for attempt in range(1, self.START_TRIES + 1):
             try:
-                return self._start_once(owner)
+                return self._start_once(owner, JOIN_TIMEOUT_S[attempt - 1])
             except AgentError as exc:  # init returned non-zero (a lost join) or never returned
                 self.start_retries.append(str(exc))
                 if attempt == self.START_TRIES:
                     raise
-                print(f"memcache_host: {exc}; starting it again (attempt {attempt + 1} of {self.START_TRIES})", file=sys.stderr)
+                print(f"memcache_host: {str(exc).splitlines()[0]}; starting it again (attempt {attempt + 1} of {self.START_TRIES})", file=sys.stderr)
         raise AssertionError("unreachable")
 
-    def _start_once(self, owner: int) -> AgentHandle:
+    def _start_once(self, owner: int, join_timeout_s: int) -> AgentHandle:
         started = time.monotonic()
         address = str(self.meta.dir / f"agent-{owner}-{next(self.device_ids)}.sock")
-        env = client_env()
+        env = client_env(join_timeout_s=join_timeout_s)
         env.update(self.meta.environ())
         log = open(self.meta.dir / f"agent-{owner}.out", "a")  # MemCache logs to stdout
         ready_r, ready_w = os.pipe()
@@ -465,17 +479,21 @@ class Cluster:
         import select
 
         with os.fdopen(ready_r) as ready:  # "ready <init rc>" once it listens; "" if it died first
-            line = ready.readline() if select.select([ready], [], [], self.START_LIMIT_S)[0] else "(no answer)"
+            limit = self.START_LIMIT_S + join_timeout_s
+            line = ready.readline() if select.select([ready], [], [], limit)[0] else "(no answer)"
         log.close()
         if not line.startswith("ready"):
             proc.kill()
             raise (AgentHung if line == "(no answer)" else AgentError)(
-                f"MemCache agent for process {owner} did not start within {self.START_LIMIT_S:.0f} s "
-                f"(exit {proc.wait()}; its client's init: see {log.name})"
+                f"MemCache agent for process {owner} did not start within {limit:.0f} s "
+                f"(exit {proc.wait()}; its client's init: see {log.name}){_tail(log.name)}"
             )
         if line.split()[-1] != "0":
             proc.kill()
-            raise AgentError(f"MemCache client init returned {line.split()[-1]} (see {log.name})")
+            raise AgentError(
+                f"MemCache client init returned {line.split()[-1]} (join timeout {join_timeout_s} s; "
+                f"see {log.name}){_tail(log.name)}"
+            )
         handle = AgentHandle(proc, address, owner)
         self.agent_start_s.append(time.monotonic() - started)
         return handle
