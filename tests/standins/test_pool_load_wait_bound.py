@@ -3,8 +3,9 @@ that never returns is reported after the bound and recovered, instead of hanging
 
 Instance A fills the pool with three 40-token prompts; instance B (TP 2, 2 KV heads, async scheduling,
 policy ``recompute``, ranks as processes with a real gloo TP group) asks b1 / b2 (a 32-token pool hit
-each); rank 1's first GDN load copy blocks on a gate (byte_store's ``gate`` fault) that opens 1.5 s
-later. With the bound (``WAIT_S`` shortened to 0.3 s): every request finishes with the tokens of a run
+each); rank 1's first GDN load copy blocks on a gate (byte_store's ``gate`` fault) that rank 1 itself
+opens once its next step is in the late-copy fence with the copy still out (events, no timer). With
+the bound (``WAIT_S`` shortened to 0.3 s): every request finishes with the tokens of a run
 without the pool, nothing read after the failed step is wrong, no key saved in the steps computed on
 the failure is ready, the next step waits in the late-copy fence until the copy has landed (it never
 writes into a block vLLM reused), the receiving thread stays alive, its stale event is cleared, a
@@ -15,6 +16,7 @@ that never returns stops both ranks at the fence. With only
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import pytest
@@ -67,10 +69,49 @@ def _state(rank) -> dict:
     )
 
 
-class GateRun:
-    """A fills the pool; B (TP 2, async) runs b1 and b2 with rank 1's first GDN load copy gated."""
+#: the gate of the gated copy: an event the rank processes share (they fork from this process)
+_GATE = None
+#: in a rank process: per late-copy fence, whether a copy was still out when the fence first looked
+FENCES: list[bool] = []
 
-    def __init__(self, reply_limit: float | None = None, gate_after_s: float | None = None, late_error: bool = False):
+
+def _fence_opens_the_gate(rank) -> None:
+    """In a rank process: the late-copy fence opens the gate after its first look at the receiving
+    thread found a copy still out -- so the copy returns only once the step after the failure is
+    waiting for it, whatever the machine's speed."""
+    fence, idle = _failed_load.late_copy_fence, _failed_load.thread_idle
+    first = []
+
+    def thread_idle(thread) -> bool:
+        result = idle(thread)
+        if first:
+            first.clear()
+            FENCES.append(not result)
+            if not result:
+                _GATE.set()
+        return result
+
+    def late_copy_fence(worker, thread, wake=None):
+        first.append(True)
+        try:
+            return fence(worker, thread, wake)
+        finally:
+            first.clear()
+
+    _failed_load.thread_idle, _failed_load.late_copy_fence = thread_idle, late_copy_fence
+
+
+def _fences(rank) -> list[bool]:
+    return list(FENCES)
+
+
+class GateRun:
+    """A fills the pool; B (TP 2, async) runs b1 and b2 with rank 1's first GDN load copy gated;
+    ``open_at_fence``: the step after the failure opens it from its late-copy fence."""
+
+    def __init__(self, reply_limit: float | None = None, open_at_fence: bool = False, late_error: bool = False):
+        global _GATE
+        _GATE = multiprocessing.get_context("fork").Event()  # before B's ranks fork
         self.pool = pool = make_pool()
         a = PoolInstance(pool, name="A", tp=TP)
         try:
@@ -87,6 +128,9 @@ class GateRun:
         gdn = str(b.group_of[b.gdn_layers[0]])
         gated = lambda key: key.split("@")[1] == gdn and key.endswith(f"@1tp{TP}")  # noqa: E731
         self.fault = pool.add_fault("gate", direction=G2L, times=1, match=gated)
+        self.fault.gate = _GATE
+        if open_at_fence:
+            b.on_ranks(_fence_opens_the_gate)
         if late_error:  # the same copy, once its gate opens, returns an error
             pool.add_fault("error", direction=G2L, times=1, match=gated)
         self.before: dict = {}
@@ -96,27 +140,18 @@ class GateRun:
             if inst.steps == 0:
                 self.before = dict(pool.blobs)
 
-        self.timer = None
-
         def on_step(inst, so):
-            if inst.steps == 1 and gate_after_s is not None and self.timer is None:
-                import threading
-
-                self.timer = threading.Timer(gate_after_s, self.fault.gate.set)  # the copy returns late
-                self.timer.start()
             if inst.steps == FAILED_STEP and not self.failed_step_keys:
                 self.failed_step_keys = [k for k, blob in pool.blobs.items() if self.before.get(k) is not blob]
 
         b.after_schedule = after_schedule
         self.reqs = [b.add_request(r, p, max_tokens=MAX_TOKENS) for r, p in TWO.items()]
-        start = time.monotonic()
         try:
             engine_loop(b, on_step=on_step)
         except BaseException:
             self.fault.gate.set()  # the copy may go (the server thread would hold it GATE_LIMIT_S)
             raise
-        finally:
-            self.wall_s = time.monotonic() - start
+        self.fences = b.on_ranks(_fences)
         self.tokens = {r.request_id: list(r.output_token_ids) for r in self.reqs}
 
     def wrong_after_failed_step(self) -> list:
@@ -144,13 +179,13 @@ def test_pool_load_wait_bound_applies():
 
 @pytest.mark.parametrize("late", ["returns", "fails"])
 def test_a_late_copy_is_reported_after_the_bound_recovered_and_fenced(reference, monkeypatch, late):
-    """The gate opens 1.5 s after the failed batch ran: the wait gives up after 0.3 s, the requests
-    are rolled back, and the next step waits in the late-copy fence (both ranks: the agreement told
-    rank 0) until the copy has returned, before it computes. ``fails``: the late copy returns an
+    """The gate opens only from the next step's late-copy fence: the wait gives up after 0.3 s, the
+    requests are rolled back, and the next step waits in the late-copy fence (both ranks: the
+    agreement told rank 0) until the copy has returned, before it computes. ``fails``: the late copy returns an
     error, as it does on the real MemCache 1.2.0 (its read lease was released when the wait gave up:
     -3102); the receiving thread must go on (it used to raise: the fence then stopped the engine)."""
     monkeypatch.setattr(_failed_load, "WAIT_S", 0.3)  # the shared 10 s bound, read in the rank processes (forked later)
-    run = GateRun(gate_after_s=1.5, late_error=late == "fails")
+    run = GateRun(open_at_fence=True, late_error=late == "fails")
     b = run.b
     try:
         after = run.states_when_idle()
@@ -162,8 +197,10 @@ def test_a_late_copy_is_reported_after_the_bound_recovered_and_fenced(reference,
         assert run.ready_failed_step_keys() == []  # the steps computed on the failure put no key (dropped on both ranks)
         assert [s["waits_timed_out"] for s in after] == [0, 1], after
         assert after[0]["failed_elsewhere"] > 0, after  # rank 0 learnt it (agreement)
-        assert [s["late_copies_fenced"] for s in after] == [0, 1], after  # rank 1 waited for its copy; rank 0 at once
-        assert run.wall_s >= 1.5  # the step after the failure waited for the late copy
+        # one fence per rank, in the step after the failure: rank 1's copy was still out (the fence
+        # then waited until it returned); rank 0 had none out and went on at once
+        assert run.fences == [[False], [True]], run.fences
+        assert [s["late_copies_fenced"] for s in after] == [0, 1], after
         assert all(s["unfinished"] == 0 and s["alive"] and s["fatal"] is None for s in after), after
         assert run.leases() == 0
         b3 = b.add_request("b3", B3, max_tokens=MAX_TOKENS)
@@ -179,7 +216,7 @@ def test_a_late_copy_is_reported_after_the_bound_recovered_and_fenced(reference,
     finally:
         run.fault.gate.set()
         b.close()
-    print(f"\nwait bound 0.3 s, rank 1's GDN copy back after 1.5 s, tp{TP} async: B's run {run.wall_s:.1f} s; per rank "
+    print(f"\nwait bound 0.3 s, rank 1's GDN copy back once its fence waited, tp{TP} async: fences {run.fences}; per rank "
           f"after {after}; end {end}; failed-step keys {len(run.failed_step_keys)}, ready 0; wrong reads after the failed "
           "step 0; leases 0")
 
