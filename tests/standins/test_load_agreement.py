@@ -160,8 +160,8 @@ def test_a_rank_failing_before_the_agreement_ends_the_step_on_every_rank(library
     text = str(failure.value)
     print(f"\nrank 2 raised before the agreement: the step ended on every rank after {took:.1f} s")
     assert "TP ranks [0, 1, 2, 3] failed" in text, text
+    # the three healthy ranks ended on the agreement's own 3 s limit (not the gloo group's 15 s, nor a hang)
     assert text.count("did not complete within 3 s") >= 3 and "planted" in text, text
-    assert took < 3.0 + 10.0  # AGREE_S, and the ranks' answers: not the gloo group's 15 s, nor a hang
 
 
 # ------------------------------------------------------- a clean request with the same prefix in between
