@@ -3,6 +3,7 @@
 
     python scripts/simulate.py --pair v0251 --seeds 10000 [--start 0] [--jobs N] [--shrink]
     python scripts/simulate.py --pair v0251 --seeds 60 --jobs 2 --groups-off all [--shrink]
+    python scripts/simulate.py --pair v0300 --seeds 200 --jobs 2 --space fleet
 
 Each job is a pytest process of the pair's venv (``.matrix/<pair>``) running
 ``tests/standins/test_simulation.py::test_long_run`` on its slice of seeds; every episode's outcome is
@@ -81,8 +82,11 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--shrink", action="store_true", help="shrink every failing seed's episode")
+    ap.add_argument("--space", choices=("mixed", "fleet"), default="mixed",
+                    help="the episodes: mixed shapes, mostly TP 1 (CI_SEEDS), or one TP 2-8 deployment with one-rank faults")
     ap.add_argument("--groups-off", default="", help="GROUP[,GROUP] | all | library: for each, the first failing seed with it off")
     args = ap.parse_args(argv)
+    os.environ["ALP_SIM_SPACE"] = args.space  # read by test_simulation in every job
     python = ROOT / ".matrix" / args.pair / "bin" / "python"
     if not python.exists():
         print(f"simulate: no venv for {args.pair} at {python} (bash scripts/env.sh {args.pair})", file=sys.stderr)

@@ -101,6 +101,9 @@ class Fault:
     #: narrows ``match`` to ranges: ``at(key, offset, blob size)`` for each range the copy touches
     #: (e.g. one layer slot of a key); None: the whole key
     at: Callable[[str, int, int], bool] | None = None
+    #: narrows it to copies made by a process whose pid ``caller(pid)`` accepts (one TP rank's
+    #: process); None: any process's
+    caller: Callable[[int], bool] | None = None
 
     def hits_copy(self, targets) -> bool:
         if self.at is None:
@@ -164,9 +167,9 @@ class PoolService:
         with self.lock:
             self.regions.append((int(ptr), int(size)))
 
-    def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None, delay=None, at=None) -> Fault:
+    def add_fault(self, kind: str, *, direction: int | None = None, match=None, times: int | None = None, delay=None, at=None, caller=None) -> Fault:
         assert kind in ("error", "raise", "gate", "delay", "expire") and (kind == "delay") == (delay is not None), kind
-        fault = Fault(kind, direction, match or (lambda key: True), times, delay=delay, at=at)
+        fault = Fault(kind, direction, match or (lambda key: True), times, delay=delay, at=at, caller=caller)
         with self.lock:
             self.faults.append(fault)
         return fault
@@ -292,6 +295,7 @@ class PoolService:
                 for f in self.faults
                 if (f.direction is None or f.direction == direction)
                 and (f.times is None or f.hits < f.times)
+                and (f.caller is None or f.caller(host.pid))
                 and f.hits_copy(targets)
             ]
             for f in faults:

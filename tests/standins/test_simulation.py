@@ -26,6 +26,11 @@ pytestmark = pytest.mark.pairs(*PAIRS)
 #: the seeds every CI run holds
 CI_SEEDS = range(20)  # ~30 s a pair on 2 cores: the matrix stays inside its 45 minutes (the long run: scripts/simulate.py)
 
+#: the fleet seeds every CI run holds (``fleet``: one deployment of TP 2-8, faults aimed at one rank)
+FLEET_SEEDS = range(4)
+#: the episode space of the long run and the shrinker (scripts/simulate.py --space)
+SPACE = os.environ.get("ALP_SIM_SPACE", "mixed")
+
 #: episodes the simulation found failing, shrunk (scripts/simulate.py prints them): each is a defect
 #: the library fixed, kept as a regression case
 REGRESSIONS: list[Episode] = [
@@ -72,6 +77,14 @@ def test_seeded_episode(seed):
     check(result)
 
 
+@pytest.mark.parametrize("seed", FLEET_SEEDS)
+def test_fleet_episode(seed):
+    result = run_episode(episode_from_seed(seed, "fleet"))
+    print(f"\n{PAIR} fleet seed {seed}: {result.episode.shapes[0]}, {result.requests} requests, {result.tokens} tokens "
+          f"compared, faults hit { {k: sum(getattr(x, 'hits', x) for x in v) for k, v in result.faults.items()} }")
+    check(result)
+
+
 @pytest.mark.parametrize("episode", REGRESSIONS, ids=lambda ep: f"seed{ep.seed}")
 def test_shrunk_regression(episode):
     check(run_episode(episode))
@@ -109,7 +122,7 @@ def test_long_run():
     out = os.environ["ALP_SIM_OUT"]
     for seed in _long_run_seeds():
         started = time.monotonic()
-        ep = episode_from_seed(seed)
+        ep = episode_from_seed(seed, SPACE)
         try:
             result = run_episode(ep)
             row = {
@@ -133,7 +146,7 @@ def test_shrink():
     """Shrinks the episode of seed ALP_SIM_SHRINK while it still fails; writes the pytest case to ALP_SIM_OUT."""
     from harness_pool.simulation import shrink, size
 
-    ep = episode_from_seed(int(os.environ["ALP_SIM_SHRINK"]))
+    ep = episode_from_seed(int(os.environ["ALP_SIM_SHRINK"]), SPACE)
     first = run_episode(ep)
     small = shrink(ep, lambda e: not run_episode(e).ok) if not first.ok else ep
     last = run_episode(small)

@@ -8,8 +8,13 @@ their first step may be a hit); requests drawn from a prefix tree (a few shared 
 that diverge before, at and after block boundaries), each with its instance, arrival step and
 length and, for some, an abort a few steps after arrival (during its load or its sends); faults at
 chosen steps (a load copy that fails or raises, the keys of a prefix evicted between the hit check
-and the load; on 0.25.1rc1 a save copy that fails or raises). The instances step interleaved on one logical clock, so they
-write and read the same keys in turn.
+and the load; a save copy that fails or raises, allocations that outlive their lease). The
+instances step interleaved on one logical clock, so they write and read the same keys in turn.
+
+Two spaces (:data:`SPACES`): ``mixed``, each engine its own shape, mostly TP 1 (hits across
+layouts, the layout in the key); ``fleet``, the engines of one deployment (TP 2 / 4 / 8 over 2, 1
+or 4 KV heads, one scheduling and MTP setting) where a late start is a restart into the warm pool,
+and a fault may be aimed at one TP rank's process (its copies; ``evict``: the keys it saved).
 
 The same generator draws from ``random.Random(seed)`` (:func:`episode_from_seed`: CI seeds and
 ``scripts/simulate.py``) or from Hypothesis (:func:`episodes`, whose shrinking reduces a failing
@@ -84,6 +89,10 @@ class Fault:
     kind: str  # load_error | load_raise | evict | save_error | save_raise | save_lease
     instance: int
     at: int  # the global step before which it is armed
+    #: only the copies TP rank ``rank``'s process makes, and ``evict`` only the keys that rank's
+    #: processes saved (its GDN state, its heads): one rank fails while the others load; None: the
+    #: next copy of any rank
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,22 +138,36 @@ class _Hypothesis:
         return self.data.draw(st.sampled_from(options))
 
 
-def _draw(d, seed: int = 0) -> Episode:
+#: the episode spaces: ``mixed`` (CI_SEEDS, the long runs so far): 2-3 engines of mostly TP 1, each its
+#: own shape (hits across engines only where two shapes agree); ``fleet``: 2-3 engines of one
+#: production deployment (TP 2/4/8 over 2, 1 or 4 KV heads, the same scheduling and MTP), started at
+#: different steps -- a later one is a restart into the warm pool -- with faults aimed at one TP rank
+SPACES = ("mixed", "fleet")
+
+
+def _draw(d, seed: int = 0, space: str = "mixed") -> Episode:
     n = d.int(2, 3)
     shapes = []
-    for _ in range(n):
-        tp = d.pick((1, 1, 2))
-        shapes.append(
-            Shape(
-                tp=tp,
-                kv_heads=d.pick((2, 1)) if tp == 2 else 2,
-                async_=bool(d.int(0, 1)),
-                mtp=d.pick((0, 0, 1, 3)),
-                chunk=d.pick((0, 16, 32)),
-                num_blocks=d.pick((48, 64, 128)),
+    if space == "fleet":
+        tp, kv_heads, async_, mtp = d.pick((2, 4, 4, 8)), d.pick((2, 2, 1, 4)), bool(d.int(0, 1)), d.pick((0, 1, 3))
+        for _ in range(n):
+            chunk, num_blocks = d.pick((0, 16, 32)), d.pick((48, 64, 128))
+            shapes.append(Shape(tp=tp, kv_heads=kv_heads, async_=async_, mtp=mtp, chunk=chunk, num_blocks=num_blocks))
+        starts = tuple(sorted(d.int(0, 14) for _ in range(n)))
+    else:
+        for _ in range(n):
+            tp = d.pick((1, 1, 2))
+            shapes.append(
+                Shape(
+                    tp=tp,
+                    kv_heads=d.pick((2, 1)) if tp == 2 else 2,
+                    async_=bool(d.int(0, 1)),
+                    mtp=d.pick((0, 0, 1, 3)),
+                    chunk=d.pick((0, 16, 32)),
+                    num_blocks=d.pick((48, 64, 128)),
+                )
             )
-        )
-    starts = tuple(sorted(d.int(0, 6) for _ in range(n)))
+        starts = tuple(sorted(d.int(0, 6) for _ in range(n)))
     # a prefix tree: 1-3 shared prefixes of 1-4 blocks (+ 0-15 tokens), each request one of them
     # and a suffix of 0-20 tokens, or a fresh prompt
     prefixes = []
@@ -160,19 +183,27 @@ def _draw(d, seed: int = 0) -> Episode:
         requests.append(Req(instance=d.int(0, n - 1), at=d.int(0, 5), prompt=prompt, max_tokens=d.int(1, 6), abort_after=abort_after))
     faults = []
     for _ in range(d.int(0, 2) if FAULT_KINDS else 0):
-        faults.append(Fault(kind=d.pick(FAULT_KINDS), instance=d.int(0, n - 1), at=d.int(0, 10)))
+        kind, instance, at = d.pick(FAULT_KINDS), d.int(0, n - 1), d.int(0, 10)
+        rank = None
+        if space == "fleet":  # aimed at one rank; a load fault mostly at the engine that starts last (its hits)
+            rank = d.pick((None, *range(shapes[0].tp)))
+            if kind in ("load_error", "load_raise", "evict") and d.int(0, 2):
+                instance, at = n - 1, starts[-1] + d.int(0, 6)
+        faults.append(Fault(kind=kind, instance=instance, at=at, rank=rank))
     return Episode(seed, tuple(shapes), starts, tuple(requests), tuple(faults))
 
 
-def episode_from_seed(seed: int) -> Episode:
-    return _draw(_Random(seed), seed)
+def episode_from_seed(seed: int, space: str = "mixed") -> Episode:
+    if space not in SPACES:
+        raise ValueError(f"episode space {space!r}: one of {', '.join(SPACES)}")
+    return _draw(_Random(seed), seed, space)
 
 
-def episodes():
+def episodes(space: str = "mixed"):
     """A Hypothesis strategy of episodes (shrinks towards fewer instances, requests and faults)."""
     from hypothesis import strategies as st
 
-    return st.data().map(lambda data: _draw(_Hypothesis(data)))
+    return st.data().map(lambda data: _draw(_Hypothesis(data), 0, space))
 
 
 # ----------------------------------------------------------------------------------------- running
@@ -212,21 +243,30 @@ def _reference(ep: Episode) -> dict[tuple[int, int], list[int]]:
     return out
 
 
-def _arm(pool, inst: PoolInstance, fault: Fault, result: Result) -> None:
+def _rank_pids(inst: PoolInstance) -> list[int]:
+    """The pid of each TP rank of ``inst`` (all this process's when its ranks live here)."""
+    return [p.pid for p in inst.procs.procs] if inst.procs is not None else [os.getpid()] * inst.tp
+
+
+def _arm(pool, inst: PoolInstance, fault: Fault, result: Result, saved_by: dict) -> None:
     from byte_store import G2L, L2G
 
+    caller = None
+    if fault.rank is not None:
+        pid = _rank_pids(inst)[fault.rank]
+        caller = lambda p: p == pid  # noqa: E731
     if fault.kind == "save_lease":
-        result.faults.setdefault(fault.kind, []).append(pool.add_fault("expire", direction=L2G, times=1))
+        result.faults.setdefault(fault.kind, []).append(pool.add_fault("expire", direction=L2G, times=1, caller=caller))
     elif fault.kind in ("load_error", "load_raise", "save_error", "save_raise"):
         direction = G2L if fault.kind.startswith("load") else L2G
-        f = pool.add_fault("error" if fault.kind.endswith("error") else "raise", direction=direction, times=1)
+        f = pool.add_fault("error" if fault.kind.endswith("error") else "raise", direction=direction, times=1, caller=caller)
         result.faults.setdefault(fault.kind, []).append(f)
-    else:  # evict: the next step's hits lose their keys between the hit check and the load
+    else:  # evict: the next step's hits lose their keys (one rank's, with ``rank``) between the hit check and the load
         def evict(_inst, so, _done=[]):  # noqa: B006 -- once
             if _done or not so.scheduled_new_reqs:
                 return
             _done.append(True)
-            gone = pool.evict(lambda key: True)
+            gone = pool.evict((lambda key: True) if fault.rank is None else (lambda key: fault.rank in saved_by.get(key, ())))
             result.faults.setdefault("evict", []).append(len(gone))
 
         inst.after_schedule = evict
@@ -242,14 +282,27 @@ def run_episode(ep: Episode, pool=None, max_steps: int = 400) -> Result:
     reqs: dict[int, object] = {}  # vLLM's Request of each request: its output_token_ids are what the user got
     stopped: set[int] = set()
     aborted: set[int] = set()  # their tokens are not compared (an abort ends a request early)
+    rank_of: dict[int, int] = {}  # pid -> TP rank, of every instance's rank processes
+    saved_by: dict[str, set] = {}  # key -> the TP ranks whose processes saved it
+
+    def note_saves(direction, items, host) -> None:
+        from byte_store import L2G
+
+        if direction == L2G and host is not None:
+            for key, *_ in items:
+                saved_by.setdefault(key, set()).add(rank_of.get(host.pid))
+
+    pool.observers.append(note_saves)
     try:
         for t in range(max_steps):
             for i, shape in enumerate(ep.shapes):
                 if t == ep.starts[i]:
                     insts[i] = PoolInstance(pool, name=f"E{i}", kv_load_failure_policy=POLICY, **shape.kwargs())
+                    if insts[i].procs is not None:
+                        rank_of.update({pid: r for r, pid in enumerate(_rank_pids(insts[i]))})
             for fault in ep.faults:
                 if fault.at == t and insts[fault.instance] is not None:
-                    _arm(pool, insts[fault.instance], fault, result)
+                    _arm(pool, insts[fault.instance], fault, result, saved_by)
             for i, inst in enumerate(insts):
                 if inst is None or i in stopped:
                     continue
@@ -301,6 +354,7 @@ def run_episode(ep: Episode, pool=None, max_steps: int = 400) -> Result:
                 result.leaks.append((i, held))
     finally:
         pool.clear_faults()
+        pool.observers.remove(note_saves)
         for inst in insts:
             if inst is not None:
                 inst.close()
@@ -339,6 +393,9 @@ def _smaller(ep: Episode):
                 requests=tuple(dataclasses.replace(r, instance=renum[r.instance]) for r in ep.requests),
                 faults=tuple(dataclasses.replace(f, instance=renum[f.instance]) for f in ep.faults if f.instance in renum),
             )
+    for k, f in enumerate(ep.faults):
+        if f.rank is not None:  # aimed at one rank -> at any rank's next copy
+            yield dataclasses.replace(ep, faults=ep.faults[:k] + (dataclasses.replace(f, rank=None),) + ep.faults[k + 1 :])
     for k, r in enumerate(ep.requests):
         for smaller in (
             dataclasses.replace(r, max_tokens=1) if r.max_tokens > 1 else None,
@@ -353,7 +410,7 @@ def _smaller(ep: Episode):
             dataclasses.replace(s, mtp=0) if s.mtp else None,
             dataclasses.replace(s, async_=False) if s.async_ else None,
             dataclasses.replace(s, chunk=0) if s.chunk else None,
-            dataclasses.replace(s, tp=1, kv_heads=2) if s.tp > 1 else None,
+            dataclasses.replace(s, tp=1, kv_heads=2) if s.tp > 1 and not any(f.instance == i and f.rank is not None for f in ep.faults) else None,
         ):
             if simpler is not None:
                 yield dataclasses.replace(ep, shapes=ep.shapes[:i] + (simpler,) + ep.shapes[i + 1 :])
