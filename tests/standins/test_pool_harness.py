@@ -118,3 +118,29 @@ def test_tensor_parallel_ranks_and_faults():
     assert fault.hits == 1
     assert [res for direction, _keys, res in pool.copy_log if direction == 1].count(-1) == 1
     assert {r.rank for r in b.reads_of("b")} == {0, 1}
+
+
+@pytest.mark.pairs("v0251")
+def test_a_fault_aimed_at_one_rank_hits_only_that_rank_s_copies():
+    """``Fault.caller`` (the simulation's faults aimed at one TP rank): a load error for every copy
+    B's rank 1 makes fails exactly those copies, none of rank 0's."""
+    pool = make_pool("bytes")
+    a = PoolInstance(pool, name="A", tp=2)
+    a.add_request("a", PROMPT, max_tokens=1)
+    engine_loop(a)
+    a.close()
+    b = PoolInstance(pool, name="B", tp=2)
+    pids = [p.pid for p in b.procs.procs]
+    loads: dict[int, int] = {}
+    pool.observers.append(lambda direction, items, host: direction == 1 and loads.__setitem__(host.pid, loads.get(host.pid, 0) + 1))
+    fault = pool.add_fault("error", direction=1, caller=lambda pid: pid == pids[1])
+    try:
+        b.add_request("b", PROMPT[:32] + [7, 8, 9], max_tokens=1)
+        engine_loop(b)
+    finally:
+        pool.clear_faults()
+        b.close()
+    failed = [res for direction, _keys, res in pool.copy_log if direction == 1].count(-1)
+    print(f"\nload copies by rank: {[loads.get(p, 0) for p in pids]}; failed {failed}, fault hits {fault.hits}")
+    assert loads.get(pids[0], 0) > 0 and loads.get(pids[1], 0) > 0
+    assert fault.hits == loads[pids[1]] == failed
