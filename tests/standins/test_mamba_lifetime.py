@@ -76,6 +76,9 @@ def test_mamba_lifetime_applies(patched):
 
 @pytest.fixture
 def unpatched():
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # once per process: not later, inside the test, while the library is off
     reg = _registry()
     reg.revert()
     assert not any(hasattr(t, MARKER) for t in _targets())
@@ -132,9 +135,24 @@ def test_save_waits_for_a_slow_send(off_throughout):
     try:
         h.add("a", 8, decode_steps=0, behaviour="slow")
         gate = h.gate("a")
-        threading.Timer(0.2, gate.set).start()  # the step cannot open it: save_kv_layer blocks it
+
+        class OpensTheGate(threading.Event):
+            """The final layer's save event: the step's first wait on it opens a's gate (the step
+            cannot open it otherwise), noting whether a's copies were still held then."""
+
+            held_at_wait = None
+
+            def wait(self, timeout=None):
+                if self.held_at_wait is None:
+                    self.held_at_wait = not gate.is_set() and not self.is_set()
+                    gate.set()
+                return super().wait(timeout)
+
+        events = h.inst.ranks[0].connector.connector_worker.layer_save_finished_events  # the send thread's list
+        final = events[-1] = OpensTheGate()
         h.step()
-        assert gate.is_set() and h.owners.reads > 0, "the step returned before a's copies ran"
+        assert final.held_at_wait, "the step never waited for the final layer's save while a's copies were held"
+        assert h.owners.reads > 0, "the step returned before a's copies ran"
         assert h.done("a")
         h.add("b", 16, decode_steps=0)
         h.step()
