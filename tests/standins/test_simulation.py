@@ -1,7 +1,7 @@
 """The pool simulation (``harness_pool.simulation``): seeded random episodes of 2-3 engines sharing one
 store, with store faults, each request held token for token against a run without the pool.
 
-CI runs :data:`CI_SEEDS` on v0251, v0260 and v0300 and every shrunk regression episode;
+CI runs :data:`CI_SEEDS`, :data:`FLEET_SEEDS` on v0251, v0260 and v0300 and every shrunk regression episode;
 ``scripts/simulate.py`` runs long (``ALP_SIM_SEEDS=start:count``, results as JSON lines in
 ``ALP_SIM_OUT``) and shrinks what fails.
 """
