@@ -16,6 +16,10 @@ from byte_store import GATE_LIMIT_S, LocalHost, PoolService
 
 #: a reply from the pool never takes longer than this: a gated copy waits GATE_LIMIT_S at most
 REPLY_LIMIT_S = GATE_LIMIT_S + 30.0
+#: a rank's first ``register_region`` on the real MemCache starts its agent: the agents start one at
+#: a time, each up to three joins (``memcache_host.JOIN_TIMEOUT_S``), so a rank may wait behind the
+#: others' retries; below ``rank_procs.START_LIMIT_S``, which bounds the rank's start
+REGISTER_LIMIT_S = 220.0
 
 
 class _RemoteHost(LocalHost):
@@ -111,7 +115,7 @@ class RemoteService:
         if self.real:
             import memcache_host
 
-            self._call("register_region", (memcache_host.buffer_of(int(ptr), int(size)), int(size)))
+            self._call("register_region", (memcache_host.buffer_of(int(ptr), int(size)), int(size)), REGISTER_LIMIT_S)
 
     def _conn(self):
         conn = getattr(self._local, "conn", None)
@@ -126,12 +130,12 @@ class RemoteService:
             raise AttributeError(name)
         return lambda *args: self._call(name, args)
 
-    def _call(self, name, args):
+    def _call(self, name, args, limit_s: float = REPLY_LIMIT_S):
         conn = self._conn()
         conn.send((name, args))
         while True:
-            if not conn.poll(REPLY_LIMIT_S):
-                raise TimeoutError(f"byte store: no answer to {name} within {REPLY_LIMIT_S} s")
+            if not conn.poll(limit_s):
+                raise TimeoutError(f"byte store: no answer to {name} within {limit_s} s")
             kind, payload = conn.recv()
             if kind == "ok":
                 return payload
