@@ -445,13 +445,33 @@ class Cluster:
         self.idle = [self._start(-1 - i) for i in range(prestart)]
 
     def agent(self, pid: int) -> AgentHandle:
-        """The agent of harness process ``pid`` (started on first use)."""
-        with self.lock:
-            handle = self.agents.get(pid)
-            if handle is None:
-                handle = self.agents[pid] = self.idle.pop() if self.idle else self._start(pid)
-                handle.owner = pid
-            return handle
+        """The agent of harness process ``pid`` (started on first use). Agents start one at a time;
+        between two start attempts of one the lock is let go, so the starts waiting behind it go
+        first (seen in CI: one newcomer's join failed three times in a row, and the agents started
+        right after it joined at once)."""
+        for attempt in range(1, self.START_TRIES + 1):
+            with self.lock:
+                handle = self.agents.get(pid)
+                if handle is not None:
+                    return handle
+                if self.idle:
+                    handle = self.idle.pop()
+                else:
+                    try:
+                        handle = self._start_once(pid, JOIN_TIMEOUT_S[attempt - 1])
+                    except AgentError as exc:  # init returned non-zero (a lost join) or never returned
+                        self.start_retries.append(str(exc))
+                        if attempt == self.START_TRIES:
+                            raise
+                        print(f"memcache_host: {str(exc).splitlines()[0]}; starting it again (attempt {attempt + 1} of "
+                              f"{self.START_TRIES}, after the starts waiting behind it)", file=sys.stderr)
+                        handle = None
+                if handle is not None:
+                    handle.owner = pid
+                    self.agents[pid] = handle
+                    return handle
+            time.sleep(0.2)  # outside the lock: a waiting start takes it first
+        raise AssertionError("unreachable")
 
     def _start(self, owner: int) -> AgentHandle:
         for attempt in range(1, self.START_TRIES + 1):
