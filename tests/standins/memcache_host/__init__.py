@@ -428,9 +428,9 @@ class Cluster:
     #: timeout, 900 s by default (both versions; seen far more with 1.2.0's slower start). With
     #: ``MF_GROUP_JOIN_MAX_TIMEOUT`` (:data:`JOIN_TIMEOUT_S`) the init gives up, cleans up and
     #: returns -1, and a new agent then joins (every retry did in 15 starts, 5 lost joins, two busy
-    #: loops); an agent killed mid-join instead left its rank stuck for the next one. A join that
-    #: is only slow failed all three tries at 5 s once (CI, 8 ranks starting on 2 cores): each try
-    #: waits longer.
+    #: loops); an agent killed mid-join instead left its rank stuck for the next one. Each try waits
+    #: longer, which helps a slow join only: a stalled one (CI: all three tries, 5 to 40 s) is not
+    #: helped, and its cause is not known.
     START_TRIES = len(JOIN_TIMEOUT_S)
 
     def __init__(self, prestart: int = 0, **meta_options):
